@@ -1,0 +1,39 @@
+# evictlab: `make help` lists the targets.
+SHELL := /bin/bash
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(VENV)/bin/pip
+PYTEST_ARGS ?=
+
+.DEFAULT_GOAL := help
+.PHONY: help install test test-fast lint format train clean-cache
+
+help: ## List every target with one line each
+	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z_-]+:.*## / {printf "  make %-12s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
+
+install: ## Create .venv and install evictlab + pinned deps (CPU torch 2.13.0 via constraints.txt)
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q -c constraints.txt torch==2.13.0
+	$(PIP) install -q -c constraints.txt -e '.[dev]'
+	@$(PY) -c "import torch, evictlab; print('evictlab ready: torch', torch.__version__)"
+
+test: ## Run the test suite (what CI runs)
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+test-fast: ## Run the test suite without tests marked slow
+	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
+
+lint: ## Lint with ruff (check + format check)
+	$(VENV)/bin/ruff check src tests
+	$(VENV)/bin/ruff format --check src tests
+
+format: ## Auto-format and auto-fix with ruff
+	$(VENV)/bin/ruff format src tests
+	$(VENV)/bin/ruff check --fix src tests
+
+train: ## Train (or load from cache) the default model: make train ARGS="model=gpt_tiny"
+	$(PY) -m evictlab.train $(ARGS)
+
+clean-cache: ## Delete cached tokens and checkpoints under outputs/
+	rm -rf outputs/cache outputs/checkpoints

@@ -1,0 +1,191 @@
+"""Corpora as lists of documents, and the deterministic split by document.
+
+Built-in corpora need no download: ``pydoc_topics`` (the English prose of CPython's
+``pydoc_data.topics``, one document per topic) and ``python_stdlib`` (the running interpreter's
+standard-library sources, sorted by path, capped in size). ``text_files`` reads a user's file,
+folder or glob; ``hf_dataset`` reads a Hugging Face dataset (hub id or local folder).
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import os
+import sysconfig
+from dataclasses import dataclass
+from enum import Enum
+from pathlib import Path
+
+from evictlab.errors import ConfigError, DataError
+
+
+class CorpusKind(str, Enum):
+    pydoc_topics = "pydoc_topics"
+    python_stdlib = "python_stdlib"
+    text_files = "text_files"
+    hf_dataset = "hf_dataset"
+
+
+@dataclass
+class DatasetConfig:
+    name: str = "pydoc_topics"
+    kind: CorpusKind = CorpusKind.pydoc_topics
+    max_bytes: int = 0  # cap on the corpus size in UTF-8 bytes, whole documents in order (0 = no cap)
+    min_doc_chars: int = 1  # drop documents shorter than this
+    val_fraction: float = 0.1  # share of documents in the validation split
+    test_fraction: float = 0.1  # share of documents in the test split (the evaluation streams)
+    split_seed: int = 0
+    bos: bool = True  # start every training sample and evaluation stream with <bos>
+    # text_files
+    path: str | None = None  # a file, a folder (all *.txt / *.md / *.py ... files) or a glob
+    doc_separator: str | None = None  # split each file into documents on this string
+    # hf_dataset
+    hf_name: str | None = None  # hub id (e.g. "wikitext") or a local folder (save_to_disk or data files)
+    hf_config: str | None = None  # e.g. "wikitext-103-raw-v1"
+    hf_split: str = "train"
+    text_field: str = "text"
+    data_files: str | None = None  # with a builder name such as "json"/"text"/"parquet" in hf_name
+
+    def __post_init__(self) -> None:
+        self.kind = CorpusKind(self.kind)
+        if self.max_bytes < 0:
+            raise ConfigError(f"dataset.max_bytes={self.max_bytes} must be >= 0 (0 = no cap)")
+        for key in ("val_fraction", "test_fraction"):
+            v = getattr(self, key)
+            if not 0 < v < 1:
+                raise ConfigError(f"dataset.{key}={v} must be in (0, 1)")
+        if self.val_fraction + self.test_fraction >= 1:
+            raise ConfigError("dataset.val_fraction + dataset.test_fraction must be < 1")
+        if self.kind is CorpusKind.text_files and not self.path:
+            raise ConfigError("dataset.path must name a file, folder or glob for dataset kind text_files")
+        if self.kind is CorpusKind.hf_dataset and not self.hf_name:
+            raise ConfigError("dataset.hf_name must name a hub dataset or local folder for kind hf_dataset")
+
+
+@dataclass(frozen=True)
+class Document:
+    id: str
+    text: str
+
+
+TEXT_SUFFIXES = (".txt", ".md", ".rst", ".py", ".tex", ".html", ".json", ".csv")
+
+
+def _pydoc_topics() -> list[Document]:
+    from pydoc_data.topics import topics
+
+    return [Document(k, topics[k]) for k in sorted(topics)]
+
+
+def _python_stdlib() -> list[Document]:
+    root = Path(sysconfig.get_paths()["stdlib"])
+    docs = []
+    for path in sorted(root.rglob("*.py")):
+        rel = path.relative_to(root).as_posix()
+        if rel.startswith(("site-packages/", "dist-packages/")):
+            continue
+        try:
+            docs.append(Document(rel, path.read_text(encoding="utf-8")))
+        except (UnicodeDecodeError, OSError):
+            continue
+    return docs
+
+
+def _text_files(cfg: DatasetConfig) -> list[Document]:
+    spec = os.path.expanduser(cfg.path or "")
+    p = Path(spec)
+    if p.is_file():
+        files = [p]
+    elif p.is_dir():
+        files = sorted(f for f in p.rglob("*") if f.is_file() and f.suffix.lower() in TEXT_SUFFIXES)
+    else:
+        files = sorted(Path(f) for f in glob.glob(spec, recursive=True) if Path(f).is_file())
+        if not files:
+            raise DataError(f"dataset.path={cfg.path!r}: no such file, folder or glob match")
+    docs = []
+    for f in files:
+        text = f.read_text(encoding="utf-8", errors="replace")
+        parts = text.split(cfg.doc_separator) if cfg.doc_separator else [text]
+        docs += [Document(f"{f.as_posix()}#{i}", t) for i, t in enumerate(parts) if t.strip()]
+    if not docs:
+        raise DataError(f"dataset.path={cfg.path!r}: the text is empty")
+    return docs
+
+
+def _hf_dataset(cfg: DatasetConfig) -> list[Document]:
+    import datasets
+
+    name = cfg.hf_name or ""
+    try:
+        if Path(name).is_dir() and (Path(name) / "dataset_info.json").exists():
+            ds = datasets.load_from_disk(name)
+            if isinstance(ds, datasets.DatasetDict):
+                ds = ds[cfg.hf_split]
+        else:
+            ds = datasets.load_dataset(name, cfg.hf_config, split=cfg.hf_split, data_files=cfg.data_files)
+    except Exception as e:  # noqa: BLE001 - every failure mode (offline, 404, bad split) gets one line
+        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise DataError(
+            f"dataset.hf_name={name!r}: could not load the Hugging Face dataset ({msg}). Offline? "
+            "Point dataset.hf_name at a local folder (datasets' save_to_disk) or use dataset=text_files."
+        ) from None
+    if cfg.text_field not in ds.column_names:
+        raise DataError(
+            f"dataset.text_field={cfg.text_field!r} is not a column of {name!r}: {ds.column_names}"
+        )
+    return [Document(f"{cfg.hf_split}/{i}", t) for i, t in enumerate(ds[cfg.text_field]) if t]
+
+
+def load_documents(cfg: DatasetConfig) -> list[Document]:
+    """All documents of the corpus, in a fixed order, after the size cap and the length filter."""
+    loaders = {
+        CorpusKind.pydoc_topics: lambda: _pydoc_topics(),
+        CorpusKind.python_stdlib: lambda: _python_stdlib(),
+        CorpusKind.text_files: lambda: _text_files(cfg),
+        CorpusKind.hf_dataset: lambda: _hf_dataset(cfg),
+    }
+    docs = [d for d in loaders[cfg.kind]() if len(d.text) >= cfg.min_doc_chars]
+    if cfg.max_bytes:
+        kept, total = [], 0
+        for d in docs:
+            n = len(d.text.encode("utf-8"))
+            if total + n > cfg.max_bytes and kept:
+                break
+            kept.append(d)
+            total += n
+        docs = kept
+    return docs
+
+
+def content_hash(docs: list[Document]) -> str:
+    h = hashlib.sha256()
+    for d in docs:
+        for part in (d.id, d.text):
+            b = part.encode("utf-8")
+            h.update(len(b).to_bytes(8, "little"))
+            h.update(b)
+    return h.hexdigest()[:16]
+
+
+SPLITS = ("train", "val", "test")
+
+
+def split_documents(docs: list[Document], cfg: DatasetConfig) -> dict[str, list[Document]]:
+    """Deterministic split by document: order by a seeded hash of the id, cut by the fractions.
+
+    Each split keeps the corpus order; the same ids and seed give the same split on every machine.
+    """
+    n = len(docs)
+    n_val = max(1, round(n * cfg.val_fraction))
+    n_test = max(1, round(n * cfg.test_fraction))
+    if n - n_val - n_test < 1:
+        raise DataError(
+            f"dataset {cfg.name!r} has {n} document(s); a train/val/test split needs at least 3 "
+            "(for one long text file set dataset.doc_separator)"
+        )
+    rank = sorted(range(n), key=lambda i: hashlib.sha256(f"{cfg.split_seed}:{docs[i].id}".encode()).digest())
+    val, test = set(rank[:n_val]), set(rank[n_val : n_val + n_test])
+    out: dict[str, list[Document]] = {s: [] for s in SPLITS}
+    for i, d in enumerate(docs):
+        out["val" if i in val else "test" if i in test else "train"].append(d)
+    return out

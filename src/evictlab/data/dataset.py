@@ -1,0 +1,146 @@
+"""Tokenized corpora: split by document, tokenized once, cached on disk by content hash."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from evictlab.data.corpora import SPLITS, DatasetConfig, content_hash, load_documents, split_documents
+from evictlab.data.tokenizers import BPETokenizer, ByteTokenizer, TokenizerConfig, build_tokenizer
+from evictlab.errors import DataError
+from evictlab.store import atomic_path, stable_hash
+
+log = logging.getLogger(__name__)
+TOKENS_FORMAT = 1  # bump when the on-disk layout changes
+
+
+@dataclass
+class TokenSplit:
+    """The documents of one split, tokenized without specials and concatenated."""
+
+    ids: np.ndarray  # [N] token ids
+    offsets: np.ndarray  # [n_docs + 1] document boundaries into ids
+    doc_ids: list[str]
+    n_bytes: int  # UTF-8 bytes of the split's text (for bits per byte)
+
+    @property
+    def n_docs(self) -> int:
+        return len(self.doc_ids)
+
+    @property
+    def n_tokens(self) -> int:
+        return int(self.ids.shape[0])
+
+    @property
+    def bytes_per_token(self) -> float:
+        return self.n_bytes / max(1, self.n_tokens)
+
+    def doc(self, i: int) -> np.ndarray:
+        return self.ids[self.offsets[i] : self.offsets[i + 1]]
+
+    def stream(self, sep: int | None) -> np.ndarray:
+        """All documents as one array, each preceded by `sep` (e.g. <bos>) when given."""
+        if sep is None:
+            return self.ids
+        parts = [np.concatenate(([sep], self.doc(i))) for i in range(self.n_docs)]
+        return np.concatenate(parts) if parts else self.ids
+
+
+@dataclass
+class Corpus:
+    name: str
+    tokenizer: ByteTokenizer | BPETokenizer
+    splits: dict[str, TokenSplit]
+    split_hashes: dict[str, str]
+    data_hash: str  # hash of the split contents + tokenizer: identifies the training data
+    bos: bool = True
+    cache_path: Path | None = field(default=None, repr=False)
+
+    def prefix(self, sink_token: bool) -> list[int]:
+        """The tokens every sample/stream starts with: [<sink>] if the model has one, then [<bos>]."""
+        return ([self.tokenizer.sink_id] if sink_token else []) + (
+            [self.tokenizer.bos_id] if self.bos else []
+        )
+
+
+def _check_sizes(corpus_name: str, sizes: dict[str, int], min_tokens: int) -> None:
+    for split in ("train", "val"):
+        if sizes[split] < min_tokens:
+            raise DataError(
+                f"dataset {corpus_name!r}: the {split} split has {sizes[split]} tokens, fewer than one "
+                f"sequence needs ({min_tokens}); use a bigger corpus or a shorter train.seq_len"
+            )
+
+
+def _save(path: Path, splits: dict[str, TokenSplit]) -> None:
+    arrays = {}
+    for s, sp in splits.items():
+        arrays[f"{s}_ids"] = sp.ids.astype(np.uint16 if sp.ids.max(initial=0) < 65536 else np.int32)
+        arrays[f"{s}_offsets"] = sp.offsets.astype(np.int64)
+        arrays[f"{s}_doc_ids"] = np.array(sp.doc_ids, dtype=str)
+        arrays[f"{s}_n_bytes"] = np.array(sp.n_bytes, dtype=np.int64)
+    with atomic_path(path) as tmp:
+        with open(tmp, "wb") as f:
+            np.savez(f, **arrays)
+
+
+def _load(path: Path) -> dict[str, TokenSplit]:
+    with np.load(path, allow_pickle=False) as z:
+        return {
+            s: TokenSplit(
+                ids=z[f"{s}_ids"].astype(np.int64),
+                offsets=z[f"{s}_offsets"],
+                doc_ids=[str(x) for x in z[f"{s}_doc_ids"]],
+                n_bytes=int(z[f"{s}_n_bytes"]),
+            )
+            for s in SPLITS
+        }
+
+
+def load_corpus(
+    data_cfg: DatasetConfig,
+    tok_cfg: TokenizerConfig,
+    outputs: Path,
+    min_tokens: int = 2,
+) -> Corpus:
+    """Documents -> split -> tokenizer -> token arrays, each cached under outputs/cache.
+
+    `min_tokens`: the train and val splits must each hold at least this many tokens (one sequence);
+    checked before anything is written for a new corpus.
+    """
+    docs = load_documents(data_cfg)
+    by_split = split_documents(docs, data_cfg)
+    n_bytes = {s: sum(len(d.text.encode("utf-8")) for d in ds) for s, ds in by_split.items()}
+    # Tokens never outnumber bytes, so a corpus too small in bytes fails before a tokenizer is trained.
+    _check_sizes(data_cfg.name, {s: n_bytes[s] + len(by_split[s]) for s in SPLITS}, min_tokens)
+    split_hashes = {s: content_hash(ds) for s, ds in by_split.items()}
+    cache = outputs / "cache"
+    tokenizer = build_tokenizer(
+        tok_cfg, [d.text for d in by_split["train"]], split_hashes["train"], cache / "tokenizers"
+    )
+    data_hash = stable_hash({"splits": split_hashes, "tokenizer": tokenizer.spec, "format": TOKENS_FORMAT})
+    path = cache / "tokens" / f"{data_cfg.name}-{data_hash}.npz"
+
+    splits = None
+    if path.exists():
+        try:
+            splits = _load(path)
+        except Exception as e:  # noqa: BLE001 - a damaged cache file is rebuilt, never trusted
+            log.warning("token cache %s is unreadable (%s); rebuilding it", path, e)
+    if splits is None:
+        splits = {}
+        for s, ds in by_split.items():
+            encoded = tokenizer.encode_batch([d.text for d in ds])
+            lengths = np.array([len(e) for e in encoded], dtype=np.int64)
+            ids = np.concatenate(encoded) if encoded else np.zeros(0, dtype=np.int64)
+            splits[s] = TokenSplit(
+                ids, np.concatenate(([0], np.cumsum(lengths))), [d.id for d in ds], n_bytes[s]
+            )
+        _check_sizes(data_cfg.name, {s: sp.n_tokens + sp.n_docs for s, sp in splits.items()}, min_tokens)
+        _save(path, splits)
+    else:
+        _check_sizes(data_cfg.name, {s: sp.n_tokens + sp.n_docs for s, sp in splits.items()}, min_tokens)
+    return Corpus(data_cfg.name, tokenizer, splits, split_hashes, data_hash, data_cfg.bos, path)

@@ -1,0 +1,122 @@
+"""Tokenizers: byte-level (no files) and byte-level BPE trained with HF `tokenizers`, cached by content hash.
+
+Both reserve two special ids: ``<bos>`` (starts every sample and stream) and ``<sink>`` (the
+optional learnable dedicated attention-sink token).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from enum import Enum
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from evictlab.errors import ConfigError
+from evictlab.store import atomic_path, stable_hash
+
+BOS, SINK = "<bos>", "<sink>"
+
+
+class TokenizerKind(str, Enum):
+    byte = "byte"
+    bpe = "bpe"
+
+
+@dataclass
+class TokenizerConfig:
+    kind: TokenizerKind = TokenizerKind.byte
+    vocab_size: int = 2048  # BPE only (byte-level is always 256 + 2 specials)
+
+    def __post_init__(self) -> None:
+        self.kind = TokenizerKind(self.kind)
+        if self.kind is TokenizerKind.bpe and not 260 <= self.vocab_size <= 65535:
+            raise ConfigError(f"tokenizer.vocab_size={self.vocab_size} must be in [260, 65535] for BPE")
+
+
+class ByteTokenizer:
+    """UTF-8 bytes are ids 0..255; <bos> = 256, <sink> = 257."""
+
+    vocab_size = 258
+    bos_id, sink_id = 256, 257
+
+    @property
+    def spec(self) -> dict[str, Any]:
+        return {"kind": "byte", "vocab_size": self.vocab_size}
+
+    def encode(self, text: str) -> np.ndarray:
+        return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int64)
+
+    def encode_batch(self, texts: Iterable[str]) -> list[np.ndarray]:
+        return [self.encode(t) for t in texts]
+
+    def decode(self, ids: Iterable[int]) -> str:
+        ids = list(ids)
+        specials = {self.bos_id: BOS, self.sink_id: SINK}
+        out, buf = [], bytearray()
+        for i in ids:
+            if i in specials:
+                out.append(buf.decode("utf-8", errors="replace") + specials[i])
+                buf = bytearray()
+            else:
+                buf.append(int(i))
+        return "".join(out) + buf.decode("utf-8", errors="replace")
+
+
+class BPETokenizer:
+    """Byte-level BPE (GPT-2 style pre-tokenization) from a `tokenizers` JSON file."""
+
+    def __init__(self, path: Path, spec: dict[str, Any]):
+        from tokenizers import Tokenizer
+
+        self._tok = Tokenizer.from_file(str(path))
+        self.vocab_size = self._tok.get_vocab_size()
+        self.bos_id, self.sink_id = self._tok.token_to_id(BOS), self._tok.token_to_id(SINK)
+        self.spec = spec
+
+    def encode(self, text: str) -> np.ndarray:
+        return np.asarray(self._tok.encode(text, add_special_tokens=False).ids, dtype=np.int64)
+
+    def encode_batch(self, texts: Iterable[str]) -> list[np.ndarray]:
+        encs = self._tok.encode_batch(list(texts), add_special_tokens=False)
+        return [np.asarray(e.ids, dtype=np.int64) for e in encs]
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
+
+
+def train_bpe(texts: list[str], vocab_size: int, dest: Path) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[BOS, SINK],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer=trainer)
+    with atomic_path(dest) as tmp:
+        tok.save(str(tmp))
+
+
+def build_tokenizer(
+    cfg: TokenizerConfig, train_texts: list[str], train_hash: str, cache_dir: Path
+) -> ByteTokenizer | BPETokenizer:
+    """The tokenizer for a corpus; BPE is trained on the train split once and cached by its hash."""
+    if cfg.kind is TokenizerKind.byte:
+        return ByteTokenizer()
+    spec = {"kind": "bpe", "vocab_size": cfg.vocab_size, "train_hash": train_hash}
+    path = cache_dir / f"bpe-{stable_hash(spec)}.json"
+    if not path.exists():
+        from filelock import FileLock
+
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with FileLock(str(path) + ".lock"):
+            if not path.exists():
+                train_bpe(train_texts, cfg.vocab_size, path)
+    return BPETokenizer(path, spec)

@@ -1,0 +1,224 @@
+"""A small decoder-only GPT in one readable file (nanoGPT-like).
+
+Pre-LayerNorm blocks, causal multi-head attention with RoPE (or learned absolute positions),
+optional grouped-query attention, GELU MLP, final norm and a head tied to the token embedding.
+
+Shapes: B batch, T tokens, C = n_embd, H = n_head, Hkv = n_kv_head, D = head_dim = C // H.
+
+The attention is split into steps that a KV-cache engine can drive on its own:
+``project`` (x -> pre-RoPE q, k, v), ``apply_rope`` (rotate by explicit positions) and
+``attend`` (SDPA with a mask) + ``out``. ``Block.forward`` accepts an ``attn`` callable so the
+engine owns the keys and values while the residual structure stays here.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from enum import Enum
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from evictlab.errors import ConfigError
+
+
+class PosEmb(str, Enum):
+    rope = "rope"  # rotary position embedding on q and k
+    learned = "learned"  # GPT-2 style absolute position table added to the token embedding
+
+
+@dataclass
+class GPTConfig:
+    name: str = "gpt_small"
+    vocab_size: int = 0  # 0 = taken from the tokenizer at build time
+    n_layer: int = 4
+    n_head: int = 4
+    n_kv_head: int = 0  # 0 = n_head (plain multi-head attention); fewer = grouped-query attention
+    n_embd: int = 128
+    mlp_ratio: int = 4
+    pos_emb: PosEmb = PosEmb.rope
+    rope_base: float = 10000.0
+    block_size: int = 1024  # size of the learned position table (ignored by RoPE)
+    sink_token: bool = False  # prepend a learnable dedicated <sink> token to every sequence
+    init_std: float = 0.02
+
+    def __post_init__(self) -> None:
+        self.pos_emb = PosEmb(self.pos_emb)
+        for key in ("n_layer", "n_head", "n_embd", "mlp_ratio", "block_size"):
+            if getattr(self, key) < 1:
+                raise ConfigError(f"model.{key}={getattr(self, key)} must be >= 1")
+        if self.n_kv_head < 0:
+            raise ConfigError(f"model.n_kv_head={self.n_kv_head} must be >= 0 (0 means n_head)")
+        if self.n_embd % self.n_head:
+            raise ConfigError(f"model.n_embd={self.n_embd} is not divisible by model.n_head={self.n_head}")
+        if self.n_head % self.kv_heads:
+            raise ConfigError(
+                f"model.n_head={self.n_head} is not divisible by model.n_kv_head={self.kv_heads}"
+            )
+        if self.pos_emb is PosEmb.rope and self.head_dim % 2:
+            raise ConfigError(f"RoPE needs an even head_dim; got n_embd/n_head={self.head_dim}")
+        if self.rope_base <= 1:
+            raise ConfigError(f"model.rope_base={self.rope_base} must be > 1")
+
+    @property
+    def head_dim(self) -> int:
+        return self.n_embd // self.n_head
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_head or self.n_head
+
+
+def rope_angles(pos: torch.Tensor, head_dim: int, base: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin of shape pos.shape + [head_dim // 2], computed in float64 for exact positions."""
+    inv_freq = base ** (-torch.arange(0, head_dim, 2, dtype=torch.float64, device=pos.device) / head_dim)
+    angles = pos.to(torch.float64)[..., None] * inv_freq
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, pos: torch.Tensor, base: float) -> torch.Tensor:
+    """Rotate x [..., T, D] by positions pos (broadcastable to x.shape[:-1]); rotate-half convention."""
+    cos, sin = rope_angles(pos, x.shape[-1], base)
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.n_head, self.n_kv_head, self.head_dim = cfg.n_head, cfg.kv_heads, cfg.head_dim
+        self.rope_base = cfg.rope_base if cfg.pos_emb is PosEmb.rope else None
+        qkv_out = (self.n_head + 2 * self.n_kv_head) * self.head_dim
+        self.c_attn = nn.Linear(cfg.n_embd, qkv_out, bias=False)  # fused q, k, v projection
+        self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=False)
+
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [B, T, C] -> q [B, H, T, D], k [B, Hkv, T, D], v [B, Hkv, T, D], before RoPE."""
+        B, T, _ = x.shape
+        q, k, v = self.c_attn(x).split(
+            [self.n_head * self.head_dim, self.n_kv_head * self.head_dim, self.n_kv_head * self.head_dim],
+            dim=-1,
+        )
+        q = q.view(B, T, self.n_head, self.head_dim).transpose(1, 2)
+        k = k.view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
+        v = v.view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
+        return q, k, v
+
+    def rotate(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """RoPE at explicit positions (identity for learned absolute positions)."""
+        return x if self.rope_base is None else apply_rope(x, pos, self.rope_base)
+
+    def attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        mask: torch.Tensor | None = None,
+        is_causal: bool = False,
+    ) -> torch.Tensor:
+        """q [B, H, Tq, D], k/v [B, Hkv, Tk, D], bool mask [.., Tq, Tk] (True = attend) -> [B, Tq, C]."""
+        y = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=is_causal, enable_gqa=self.n_kv_head != self.n_head
+        )
+        B, _, Tq, _ = q.shape
+        return y.transpose(1, 2).reshape(B, Tq, self.n_head * self.head_dim)
+
+    def out(self, y: torch.Tensor) -> torch.Tensor:
+        return self.c_proj(y)
+
+    def forward(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.project(x)
+        q, k = self.rotate(q, pos), self.rotate(k, pos)
+        return self.out(self.attend(q, k, v, is_causal=True))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.c_fc = nn.Linear(cfg.n_embd, cfg.mlp_ratio * cfg.n_embd, bias=False)
+        self.c_proj = nn.Linear(cfg.mlp_ratio * cfg.n_embd, cfg.n_embd, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c_proj(F.gelu(self.c_fc(x)))
+
+
+AttnFn = Callable[[torch.Tensor], torch.Tensor]
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(cfg.n_embd)
+        self.attn = CausalSelfAttention(cfg)
+        self.ln_2 = nn.LayerNorm(cfg.n_embd)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: torch.Tensor, pos: torch.Tensor | None = None, attn: AttnFn | None = None):
+        """x [B, T, C]. Plain causal attention over x at positions pos, or `attn(ln_1(x))` if given."""
+        h = self.ln_1(x)
+        x = x + (self.attn(h, pos) if attn is None else attn(h))
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        if cfg.vocab_size < 1:
+            raise ValueError("GPTConfig.vocab_size must be set (from the tokenizer) before building")
+        self.cfg = cfg
+        self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
+        self.wpe = nn.Embedding(cfg.block_size, cfg.n_embd) if cfg.pos_emb is PosEmb.learned else None
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.ln_f = nn.LayerNorm(cfg.n_embd)
+        self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+        self.lm_head.weight = self.wte.weight  # tied
+        self.apply(self._init_weights)
+        for name, p in self.named_parameters():  # GPT-2: scale residual projections by 1/sqrt(2 L)
+            if name.endswith("c_proj.weight"):
+                nn.init.normal_(p, mean=0.0, std=cfg.init_std / math.sqrt(2 * cfg.n_layer))
+
+    def _init_weights(self, module: nn.Module) -> None:
+        if isinstance(module, nn.Linear | nn.Embedding):
+            nn.init.normal_(module.weight, mean=0.0, std=self.cfg.init_std)
+
+    def num_params(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+    def embed(self, idx: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """idx [B, T] token ids at absolute positions pos [T] or [B, T] -> x [B, T, C]."""
+        x = self.wte(idx)
+        if self.wpe is not None:
+            if int(pos.max()) >= self.cfg.block_size:
+                raise ValueError(
+                    f"position {int(pos.max())} exceeds the learned position table "
+                    f"(model.block_size={self.cfg.block_size})"
+                )
+            x = x + self.wpe(pos)
+        return x
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        """Final norm + tied head: x [B, T, C] -> logits [B, T, V]."""
+        return self.lm_head(self.ln_f(x))
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
+        """Teacher-forced forward from position 0: idx [B, T] -> logits [B, T, V] (and mean loss)."""
+        pos = torch.arange(idx.shape[1], device=idx.device)
+        x = self.embed(idx, pos)
+        for block in self.blocks:
+            x = block(x, pos)
+        logits = self.head(x)
+        if targets is None:
+            return logits
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-1)
+        return logits, loss
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token: 6 x non-embedding params + attention (PaLM appendix B)."""
+        cfg = self.cfg
+        # Every weight is a matmul except the position table; the tied embedding counts once, as the head.
+        n = self.num_params() - (self.wpe.weight.numel() if self.wpe is not None else 0)
+        return 6 * n + 6 * cfg.n_layer * cfg.n_embd * seq_len  # 12 L C T / 2 for causal masking

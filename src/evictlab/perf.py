@@ -1,0 +1,46 @@
+"""Machine measurements shared by training reports and benchmarks."""
+
+from __future__ import annotations
+
+import os
+import resource
+import sys
+import time
+
+import torch
+
+
+def set_threads(threads: int) -> int:
+    """Pin torch's intra-op threads (0 leaves torch's default); returns the count in force."""
+    if threads > 0:
+        torch.set_num_threads(threads)
+    return torch.get_num_threads()
+
+
+def matmul_flops_per_s(n: int = 1024, seconds: float = 0.5, dtype: torch.dtype = torch.float32) -> float:
+    """Sustained FLOP/s of an n x n matmul with the current thread setting: the 'FLOP floor' rate."""
+    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+    for _ in range(3):
+        a @ b
+    count, start = 0, time.perf_counter()
+    while (elapsed := time.perf_counter() - start) < seconds:
+        a @ b
+        count += 1
+    return 2 * n**3 * count / elapsed
+
+
+def peak_rss_bytes() -> int:
+    """Peak resident memory of this process so far."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024
+
+
+def cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return os.uname().machine

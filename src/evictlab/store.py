@@ -1,0 +1,112 @@
+"""Keys, atomic writes and provenance: the small pieces every cache and result file relies on."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import hashlib
+import json
+import os
+import platform
+import subprocess
+import tempfile
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def outputs_dir(path: str | os.PathLike | None = None) -> Path:
+    """Where evictlab writes: the argument, else $EVICTLAB_OUTPUTS, else ./outputs."""
+    return Path(path or os.environ.get("EVICTLAB_OUTPUTS") or "outputs")
+
+
+def to_jsonable(obj: Any) -> Any:
+    """Dataclasses, enums and paths to plain JSON values (dict keys sorted later by json.dumps)."""
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return {f.name: to_jsonable(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, enum.Enum):
+        return obj.value
+    if isinstance(obj, dict):
+        return {str(k): to_jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [to_jsonable(v) for v in obj]
+    if isinstance(obj, Path):
+        return str(obj)
+    return obj
+
+
+def stable_hash(obj: Any, n: int = 16) -> str:
+    """Hex digest of a canonical JSON encoding: equal configs give equal keys on every machine."""
+    blob = json.dumps(to_jsonable(obj), sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:n]
+
+
+def file_sha256(path: str | os.PathLike) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+@contextmanager
+def atomic_path(dest: str | os.PathLike) -> Iterator[Path]:
+    """Yield a temp path beside `dest`; on success fsync it and rename it over `dest`."""
+    dest = Path(dest)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{dest.name}.", suffix=".tmp", dir=dest.parent)
+    os.close(fd)
+    tmp = Path(tmp)
+    try:
+        yield tmp
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, dest)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def write_atomic(dest: str | os.PathLike, write: Callable[[Path], None]) -> None:
+    with atomic_path(dest) as tmp:
+        write(tmp)
+
+
+def write_json(dest: str | os.PathLike, obj: Any) -> None:
+    text = json.dumps(to_jsonable(obj), indent=2, sort_keys=True) + "\n"
+    write_atomic(dest, lambda p: p.write_text(text))
+
+
+def read_json(path: str | os.PathLike) -> Any:
+    return json.loads(Path(path).read_text())
+
+
+def git_info(repo: Path = REPO_ROOT) -> dict[str, Any]:
+    """Commit and dirty flag of the checkout evictlab runs from (None where it is not a git checkout)."""
+
+    def git(*args: str) -> str | None:
+        try:
+            out = subprocess.run(["git", *args], cwd=repo, capture_output=True, text=True, timeout=10)
+        except (OSError, subprocess.SubprocessError):
+            return None
+        return out.stdout.strip() if out.returncode == 0 else None
+
+    commit = git("rev-parse", "HEAD")
+    status = git("status", "--porcelain", "--untracked-files=no")
+    return {"commit": commit, "dirty": None if status is None else bool(status)}
+
+
+PACKAGES = ("evictlab", "torch", "numpy", "hydra-core", "tokenizers", "safetensors", "wandb", "pandas")
+
+
+def package_versions(names: tuple[str, ...] = PACKAGES) -> dict[str, str | None]:
+    out: dict[str, str | None] = {"python": platform.python_version()}
+    for name in names:
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            out[name] = None
+    return out

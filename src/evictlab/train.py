@@ -1,0 +1,351 @@
+"""Train a small GPT on a corpus, or fetch it from the checkpoint cache.
+
+    python -m evictlab.train model=gpt_small dataset=pydoc_topics
+
+A checkpoint lives in ``outputs/checkpoints/<key>/`` (``model.safetensors`` + ``meta.json``); the
+key hashes everything that determines the weights. Concurrent callers train once (file lock);
+a checkpoint is written under a temp name and renamed; a damaged one is retrained with a warning.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import shutil
+import sys
+import time
+import uuid
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from filelock import FileLock
+from safetensors.torch import load_model, save_model
+from tqdm.auto import tqdm
+
+from evictlab.config import Config, TrainConfig
+from evictlab.data.dataset import Corpus, TokenSplit, load_corpus
+from evictlab.errors import ConfigError
+from evictlab.models.gpt import GPT, GPTConfig
+from evictlab.perf import matmul_flops_per_s, set_threads
+from evictlab.store import (
+    file_sha256,
+    git_info,
+    package_versions,
+    read_json,
+    stable_hash,
+    to_jsonable,
+    write_json,
+)
+
+log = logging.getLogger(__name__)
+CHECKPOINT_FORMAT = 1  # bump when training semantics or the file layout change
+# Train settings that cannot change the weights, so they stay out of the checkpoint key.
+NON_WEIGHT_KEYS = ("threads", "device", "progress", "eval_interval", "eval_batches")
+
+
+@dataclass
+class Checkpoint:
+    path: Path
+    model: GPT
+    meta: dict[str, Any]
+    cached: bool  # True when loaded from the cache, False when trained by this call
+
+
+# ---------------------------------------------------------------------------------------- data
+
+
+class WindowSampler:
+    """Random training windows: prefix (<sink>?, <bos>) + a slice of the split's token stream.
+
+    The stream joins documents with <bos>; <bos>/<sink> targets are masked out of the loss, so the
+    loss counts text tokens only (and converts exactly to bits per byte).
+    """
+
+    def __init__(self, split: TokenSplit, corpus: Corpus, seq_len: int, sink_token: bool, seed: int):
+        self.prefix = np.asarray(corpus.prefix(sink_token), dtype=np.int64)
+        self.stream = split.stream(corpus.tokenizer.bos_id if corpus.bos else None)
+        self.body = seq_len + 1 - len(self.prefix)  # tokens taken from the stream per sample
+        if self.body < 2 or len(self.stream) < self.body:
+            raise ConfigError(
+                f"train.seq_len={seq_len} does not fit: the split has {len(self.stream)} tokens "
+                f"and the prefix takes {len(self.prefix)}"
+            )
+        self.specials = [corpus.tokenizer.bos_id, corpus.tokenizer.sink_id]
+        self.rng = np.random.default_rng(seed)
+
+    def batch(self, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """x, y: [batch_size, seq_len] int64; y = -1 where the target is a special token."""
+        starts = self.rng.integers(0, len(self.stream) - self.body + 1, size=batch_size)
+        rows = [np.concatenate((self.prefix, self.stream[s : s + self.body])) for s in starts]
+        seq = torch.from_numpy(np.stack(rows))
+        x, y = seq[:, :-1], seq[:, 1:].clone()
+        y[torch.isin(y, torch.tensor(self.specials))] = -1
+        return x, y
+
+
+def ngram_bits_per_byte(train: TokenSplit, val: TokenSplit, vocab_size: int, order: int) -> float:
+    """Val bits/byte of an add-one-smoothed unigram (order 1) or bigram (order 2) model fit on train."""
+    if order == 1:
+        counts = np.bincount(train.ids, minlength=vocab_size).astype(np.float64) + 1
+        nll = -np.log(counts / counts.sum())[val.ids].sum()
+    elif order == 2:
+
+        def pairs(s: TokenSplit) -> np.ndarray:  # bigrams inside documents only
+            codes = s.ids[:-1] * vocab_size + s.ids[1:]
+            inside = np.ones(len(codes), dtype=bool)
+            inside[s.offsets[1:-1] - 1] = False
+            return codes[inside]
+
+        uniq, cnt = np.unique(pairs(train), return_counts=True)
+        ctx = np.bincount(uniq // vocab_size, weights=cnt, minlength=vocab_size)
+        v = pairs(val)
+        idx = np.clip(np.searchsorted(uniq, v), 0, len(uniq) - 1)
+        joint = np.where(uniq[idx] == v, cnt[idx], 0)
+        nll = -np.log((joint + 1) / (ctx[v // vocab_size] + vocab_size)).sum()
+        nll += -np.log(1 / vocab_size) * val.n_docs  # first token of each document: uniform
+    else:
+        raise ValueError("order must be 1 or 2")
+    return float(nll / math.log(2) / val.n_bytes)
+
+
+# ------------------------------------------------------------------------------------ training
+
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    """Linear warmup, then cosine decay from lr to min_lr."""
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    progress = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
+    return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1 + math.cos(math.pi * min(1.0, progress)))
+
+
+def make_optimizer(model: GPT, cfg: TrainConfig) -> torch.optim.AdamW:
+    """AdamW with weight decay on 2-D weights (matmuls, embeddings) only; norms are not decayed."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), foreach=True)
+
+
+@torch.no_grad()
+def mean_loss(model: GPT, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
+    model.eval()
+    total, count = 0.0, 0
+    for x, y in batches:
+        _, loss = model(x, y)
+        n = int((y >= 0).sum())
+        total, count = total + float(loss) * n, count + n
+    model.train()
+    return total / max(1, count)
+
+
+def train_model(cfg: Config, corpus: Corpus) -> tuple[GPT, dict[str, Any]]:
+    """Train from scratch with the config's seed; returns the model and its training record."""
+    tc, mc = cfg.train, cfg.model
+    threads = set_threads(tc.threads)
+    device = torch.device(tc.device)
+    torch.manual_seed(tc.seed)
+    model = GPT(mc).to(device)
+    train_s = WindowSampler(corpus.splits["train"], corpus, tc.seq_len, mc.sink_token, tc.seed)
+    # Fixed evaluation windows, drawn from their own generators so they never move the training stream.
+    val_s = WindowSampler(corpus.splits["val"], corpus, tc.seq_len, mc.sink_token, seed=10_000 + tc.seed)
+    fixed_train = WindowSampler(
+        corpus.splits["train"], corpus, tc.seq_len, mc.sink_token, seed=20_000 + tc.seed
+    )
+    val_batches = [tuple(t.to(device) for t in val_s.batch(tc.batch_size)) for _ in range(tc.eval_batches)]
+    train_batches = [
+        tuple(t.to(device) for t in fixed_train.batch(tc.batch_size)) for _ in range(tc.eval_batches)
+    ]
+    opt = make_optimizer(model, tc)
+    history: list[dict[str, float]] = []
+    tokens_per_step = tc.batch_size * tc.seq_len
+    bar = tqdm(
+        range(tc.steps), desc=f"train {mc.name}", disable=not tc.progress, unit="step", file=sys.stderr
+    )
+    start = time.perf_counter()
+    model.train()
+    for step in bar:
+        lr = lr_at(step, tc)
+        for group in opt.param_groups:
+            group["lr"] = lr
+        x, y = (t.to(device) for t in train_s.batch(tc.batch_size))
+        _, loss = model(x, y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        if tc.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), tc.grad_clip)
+        opt.step()
+        row: dict[str, float] = {"step": step + 1, "lr": lr, "train_loss": float(loss.detach())}
+        if (step + 1) % tc.eval_interval == 0 or step + 1 == tc.steps:
+            row["val_loss"] = mean_loss(model, val_batches)
+        history.append(row)
+        if step % 10 == 0 or "val_loss" in row:
+            tok_s = (step + 1) * tokens_per_step / (time.perf_counter() - start)
+            post = {"loss": f"{row['train_loss']:.3f}", "tok/s": f"{tok_s:,.0f}"}
+            if "val_loss" in row:
+                post["val"] = f"{row['val_loss']:.3f}"
+            bar.set_postfix(post, refresh=False)
+    wall = time.perf_counter() - start
+    model.eval()
+    train_loss, val_loss = mean_loss(model, train_batches), mean_loss(model, val_batches)
+    ln2 = math.log(2)
+    tokens_per_s = tc.steps * tokens_per_step / wall
+    flops_per_token = model.flops_per_token(tc.seq_len)
+    matmul = matmul_flops_per_s() if device.type == "cpu" else None
+    record = {
+        "train_loss": train_loss,
+        "val_loss": val_loss,
+        "train_bpb": train_loss / ln2 / corpus.splits["train"].bytes_per_token,
+        "val_bpb": val_loss / ln2 / corpus.splits["val"].bytes_per_token,
+        "baselines": {
+            f"{name}_val_bpb": ngram_bits_per_byte(
+                corpus.splits["train"], corpus.splits["val"], corpus.tokenizer.vocab_size, order
+            )
+            for name, order in (("unigram", 1), ("bigram", 2))
+        },
+        "wall_s": wall,
+        "tokens": tc.steps * tokens_per_step,
+        "tokens_per_s": tokens_per_s,
+        "threads": threads,
+        "params": model.num_params(),
+        "flops_per_token": flops_per_token,
+        "matmul_flops_per_s": matmul,
+        "floor_fraction": tokens_per_s * flops_per_token / matmul if matmul else None,
+        "history": history,
+    }
+    return model, record
+
+
+# ---------------------------------------------------------------------------------- checkpoints
+
+
+def checkpoint_key(cfg: Config, corpus: Corpus) -> str:
+    model_cfg = {**asdict(cfg.model), "vocab_size": corpus.tokenizer.vocab_size}
+    train_cfg = {k: v for k, v in asdict(cfg.train).items() if k not in NON_WEIGHT_KEYS}
+    return stable_hash(
+        {
+            "model": model_cfg,
+            "train": train_cfg,
+            "data_hash": corpus.data_hash,
+            "tokenizer": corpus.tokenizer.spec,
+            "bos": corpus.bos,
+            "format": CHECKPOINT_FORMAT,
+        }
+    )
+
+
+def load_checkpoint(path: str | Path) -> tuple[GPT, dict[str, Any]]:
+    """Load and verify a checkpoint folder; raises ValueError if it is missing, truncated or altered."""
+    path = Path(path)
+    try:
+        meta = read_json(path / "meta.json")
+        weights = path / "model.safetensors"
+        if file_sha256(weights) != meta["weights_sha256"]:
+            raise ValueError("weights hash does not match meta.json")
+        model = GPT(GPTConfig(**meta["model"]))
+        load_model(model, str(weights))
+    except (OSError, KeyError, TypeError, ValueError, RuntimeError) as e:
+        raise ValueError(f"checkpoint {path} is unusable: {e}") from e
+    model.eval()
+    return model, meta
+
+
+def save_checkpoint(dest: Path, model: GPT, meta: dict[str, Any]) -> None:
+    """Write into a temp folder beside dest, then rename it into place (readers never see half)."""
+    tmp = dest.parent / f".{dest.name}.tmp-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir(parents=True)
+    try:
+        save_model(model, str(tmp / "model.safetensors"))
+        meta = {**meta, "weights_sha256": file_sha256(tmp / "model.safetensors")}
+        write_json(tmp / "meta.json", meta)
+        if dest.exists():
+            shutil.rmtree(dest)
+        tmp.rename(dest)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def get_checkpoint(cfg: Config, corpus: Corpus | None = None) -> Checkpoint:
+    """The trained model for cfg: from the cache when present and intact, else trained (once)."""
+    corpus = corpus or load_corpus(cfg.dataset, cfg.tokenizer, cfg.outputs, min_tokens=cfg.train.seq_len + 1)
+    cfg.model.vocab_size = corpus.tokenizer.vocab_size
+    key = checkpoint_key(cfg, corpus)
+    root = cfg.outputs / "checkpoints"
+    dest = root / f"{cfg.model.name}-{key}"
+
+    def try_load() -> Checkpoint | None:
+        if not dest.exists():
+            return None
+        try:
+            model, meta = load_checkpoint(dest)
+            return Checkpoint(dest, model, meta, cached=True)
+        except ValueError as e:
+            log.warning("%s; retraining it", e)
+            return None
+
+    if (hit := try_load()) is not None:
+        return hit
+    root.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(dest) + ".lock"):
+        if (hit := try_load()) is not None:  # another process trained it while we waited
+            return hit
+        log.info("training %s (checkpoint key %s)", cfg.model.name, key)
+        model, record = train_model(cfg, corpus)
+        meta = {
+            "key": key,
+            "model": to_jsonable(cfg.model),
+            "tokenizer": corpus.tokenizer.spec,
+            "dataset": to_jsonable(cfg.dataset),
+            "data_hash": corpus.data_hash,
+            "split_hashes": corpus.split_hashes,
+            "train": to_jsonable(cfg.train),
+            "seed": cfg.train.seed,
+            **record,
+            "git": git_info(),
+            "packages": package_versions(),
+            "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        }
+        save_checkpoint(dest, model, meta)
+        return Checkpoint(dest, model.eval(), read_json(dest / "meta.json"), cached=False)
+
+
+def summary(ck: Checkpoint, seconds: float) -> str:
+    m = ck.meta
+    how = f"loaded from cache in {seconds:.2f} s" if ck.cached else f"trained in {m['wall_s']:.0f} s"
+    base = m["baselines"]
+    return (
+        f"{m['model']['name']} ({m['params']:,} params) {how}: val {m['val_bpb']:.3f} bits/byte "
+        f"(unigram {base['unigram_val_bpb']:.3f}, bigram {base['bigram_val_bpb']:.3f}), "
+        f"{m['tokens_per_s']:,.0f} train tok/s"
+        + (f" = {100 * m['floor_fraction']:.0f}% of the FLOP floor" if m.get("floor_fraction") else "")
+        + f"\n  -> {ck.path}"
+    )
+
+
+def main() -> None:
+    import hydra
+    from omegaconf import DictConfig
+
+    from evictlab.config import CONF_DIR, to_objects
+
+    @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")
+    def _main(dcfg: DictConfig) -> None:
+        try:
+            cfg = to_objects(dcfg)
+            start = time.perf_counter()
+            ck = get_checkpoint(cfg)
+        except ConfigError as e:
+            print(f"error: {e}", file=sys.stderr)
+            sys.exit(2)
+        print(summary(ck, time.perf_counter() - start))
+
+    _main()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,153 @@
+"""Corpora, the document split, tokenizers and the token cache."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from evictlab.data import DatasetConfig, TokenizerConfig, load_corpus, load_documents, split_documents
+from evictlab.data.corpora import content_hash
+from evictlab.data.tokenizers import ByteTokenizer
+from evictlab.errors import DataError
+
+
+def test_pydoc_topics_is_real_english_prose():
+    docs = load_documents(DatasetConfig())
+    assert len(docs) >= 60
+    total = sum(len(d.text) for d in docs)
+    assert 300_000 < total < 1_000_000
+    assert [d.id for d in docs] == sorted(d.id for d in docs)
+    assert any("the" in d.text.split() for d in docs)
+
+
+def test_python_stdlib_sorted_and_capped():
+    cfg = DatasetConfig(name="python_stdlib", kind="python_stdlib", max_bytes=300_000)
+    docs = load_documents(cfg)
+    assert len(docs) > 3
+    assert sum(len(d.text.encode()) for d in docs) <= 300_000
+    assert [d.id for d in docs] == sorted(d.id for d in docs)
+    assert all(d.id.endswith(".py") for d in docs)
+
+
+def test_split_is_deterministic_disjoint_and_complete():
+    cfg = DatasetConfig()
+    docs = load_documents(cfg)
+    a, b = split_documents(docs, cfg), split_documents(list(docs), cfg)
+    assert {s: [d.id for d in v] for s, v in a.items()} == {s: [d.id for d in v] for s, v in b.items()}
+    ids = [d.id for s in a.values() for d in s]
+    assert sorted(ids) == sorted(d.id for d in docs) and len(set(ids)) == len(ids)
+    assert len(a["val"]) == round(len(docs) * 0.1) and len(a["test"]) == round(len(docs) * 0.1)
+    other = split_documents(docs, DatasetConfig(split_seed=1))
+    assert [d.id for d in other["test"]] != [d.id for d in a["test"]]
+    assert content_hash(a["train"]) == content_hash(b["train"]) != content_hash(a["val"])
+
+
+def test_text_files_file_folder_glob(tmp_path: Path):
+    (tmp_path / "a.txt").write_text("alpha doc\n\n===\n\nsecond doc")
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "b.md").write_text("beta")
+    (tmp_path / "skip.bin").write_bytes(b"\x00\x01")
+    folder = load_documents(DatasetConfig(kind="text_files", path=str(tmp_path)))
+    assert [d.text for d in folder] == ["alpha doc\n\n===\n\nsecond doc", "beta"]
+    sep = load_documents(DatasetConfig(kind="text_files", path=str(tmp_path / "a.txt"), doc_separator="==="))
+    assert len(sep) == 2
+    glob = load_documents(DatasetConfig(kind="text_files", path=str(tmp_path / "**" / "*.md")))
+    assert [d.text for d in glob] == ["beta"]
+
+
+def test_text_files_bad_paths(tmp_path: Path):
+    with pytest.raises(DataError, match="no such file"):
+        load_documents(DatasetConfig(kind="text_files", path=str(tmp_path / "missing.txt")))
+    (tmp_path / "empty.txt").write_text("  \n")
+    with pytest.raises(DataError, match="empty"):
+        load_documents(DatasetConfig(kind="text_files", path=str(tmp_path / "empty.txt")))
+
+
+def test_hf_dataset_from_a_locally_saved_dataset(tmp_path: Path):
+    import datasets
+
+    rows = {"text": [f"document number {i} " * 20 for i in range(12)], "label": list(range(12))}
+    datasets.Dataset.from_dict(rows).save_to_disk(str(tmp_path / "ds"))
+    docs = load_documents(DatasetConfig(kind="hf_dataset", hf_name=str(tmp_path / "ds")))
+    assert [d.text for d in docs] == rows["text"]
+    # Also the data-files route (a builder name + local files), as with `load_dataset("json", ...)`.
+    import json
+
+    (tmp_path / "rows.jsonl").write_text("\n".join(json.dumps({"body": t}) for t in rows["text"]))
+    cfg = DatasetConfig(
+        kind="hf_dataset", hf_name="json", data_files=str(tmp_path / "rows.jsonl"), text_field="body"
+    )
+    assert [d.text for d in load_documents(cfg)] == rows["text"]
+    with pytest.raises(DataError, match="text_field"):
+        load_documents(DatasetConfig(kind="hf_dataset", hf_name=str(tmp_path / "ds"), text_field="nope"))
+
+
+def test_hf_dataset_offline_hub_id_fails_in_one_line(monkeypatch):
+    import datasets
+    import huggingface_hub
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # read at import time, so patch the loaded modules too
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    with pytest.raises(DataError) as err:
+        load_documents(DatasetConfig(kind="hf_dataset", hf_name="evictlab-test/definitely-not-cached"))
+    msg = str(err.value)
+    assert "\n" not in msg and "local folder" in msg
+
+
+def test_byte_tokenizer_round_trip():
+    tok = ByteTokenizer()
+    text = "héllo, wörld — ∑"
+    ids = tok.encode(text)
+    assert ids.max() < 256 and len(ids) == len(text.encode())
+    assert tok.decode(ids) == text
+    assert tok.decode([tok.bos_id, *ids]) == "<bos>" + text
+
+
+def test_bpe_trains_on_train_split_and_is_cached(outputs: Path):
+    tok_cfg = TokenizerConfig(kind="bpe", vocab_size=400)
+    corpus = load_corpus(DatasetConfig(), tok_cfg, outputs)
+    tok = corpus.tokenizer
+    assert tok.vocab_size == 400 and {tok.bos_id, tok.sink_id} <= set(range(400))
+    text = "The with statement is used to wrap the execution of a block."
+    assert tok.decode(tok.encode(text)) == text
+    assert len(tok.encode(text)) < len(text.encode()) / 1.5  # merges learned
+    files = list((outputs / "cache" / "tokenizers").glob("bpe-*.json"))
+    assert len(files) == 1
+    mtime = files[0].stat().st_mtime_ns
+    again = load_corpus(DatasetConfig(), tok_cfg, outputs)
+    assert files[0].stat().st_mtime_ns == mtime  # not retrained
+    assert again.data_hash == corpus.data_hash
+    assert again.data_hash != load_corpus(DatasetConfig(), TokenizerConfig(), outputs).data_hash
+
+
+def test_token_cache_hit_is_fast_and_identical(outputs: Path):
+    first = load_corpus(DatasetConfig(), TokenizerConfig(), outputs)
+    assert first.cache_path is not None and first.cache_path.exists()
+    start = time.perf_counter()
+    second = load_corpus(DatasetConfig(), TokenizerConfig(), outputs)
+    assert time.perf_counter() - start < 1.0
+    for s in ("train", "val", "test"):
+        np.testing.assert_array_equal(first.splits[s].ids, second.splits[s].ids)
+        assert first.splits[s].doc_ids == second.splits[s].doc_ids
+    assert first.splits["train"].n_bytes == first.splits["train"].n_tokens  # byte-level: 1 token per byte
+
+
+def test_corrupt_token_cache_is_rebuilt(outputs: Path):
+    first = load_corpus(DatasetConfig(), TokenizerConfig(), outputs)
+    first.cache_path.write_bytes(b"garbage")
+    second = load_corpus(DatasetConfig(), TokenizerConfig(), outputs)
+    np.testing.assert_array_equal(first.splits["val"].ids, second.splits["val"].ids)
+
+
+def test_corpus_too_small_writes_nothing(tmp_path: Path, outputs: Path):
+    for i in range(4):
+        (tmp_path / f"{i}.txt").write_text(f"tiny {i}")
+    with pytest.raises(DataError, match="fewer than one sequence"):
+        load_corpus(
+            DatasetConfig(kind="text_files", path=str(tmp_path)), TokenizerConfig(), outputs, min_tokens=65
+        )
+    assert not (outputs / "cache").exists() or not any((outputs / "cache").rglob("*.npz"))

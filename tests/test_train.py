@@ -1,0 +1,151 @@
+"""Training and the checkpoint cache: determinism, round trip, cache hits, locking, corruption."""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from evictlab.data import load_corpus
+from evictlab.train import (
+    WindowSampler,
+    get_checkpoint,
+    load_checkpoint,
+    lr_at,
+    make_optimizer,
+    ngram_bits_per_byte,
+    train_model,
+)
+from tests.conftest import TINY, make_cfg, run_cli
+
+
+def test_two_trainings_with_one_seed_are_bit_identical(outputs: Path):
+    cfg = make_cfg(outputs, "train.steps=15")
+    corpus = load_corpus(cfg.dataset, cfg.tokenizer, cfg.outputs)
+    cfg.model.vocab_size = corpus.tokenizer.vocab_size
+    a, rec_a = train_model(cfg, corpus)
+    b, rec_b = train_model(cfg, corpus)
+    for (name, pa), pb in zip(a.state_dict().items(), b.state_dict().values(), strict=True):
+        assert torch.equal(pa, pb), name
+    assert rec_a["history"] == rec_b["history"]
+    cfg.train.seed = 1
+    c, _ = train_model(cfg, corpus)
+    assert not torch.equal(a.wte.weight, c.wte.weight)
+
+
+def test_training_beats_unigram_and_meta_is_complete(tiny_checkpoint):
+    meta = tiny_checkpoint.meta
+    assert meta["val_bpb"] < meta["baselines"]["unigram_val_bpb"]
+    assert meta["baselines"]["bigram_val_bpb"] < meta["baselines"]["unigram_val_bpb"]
+    for key in (
+        "model", "tokenizer", "data_hash", "train", "seed", "train_loss", "val_loss", "train_bpb", "val_bpb",
+        "git", "packages", "wall_s", "weights_sha256", "tokens_per_s", "floor_fraction", "history",
+    ):  # fmt: skip
+        assert key in meta, key
+    assert meta["val_bpb"] == pytest.approx(meta["val_loss"] / math.log(2))  # byte-level: 1 byte per token
+    assert [r["step"] for r in meta["history"]] == list(range(1, meta["train"]["steps"] + 1))
+
+
+def test_checkpoint_round_trip(tiny_checkpoint):
+    model, meta = load_checkpoint(tiny_checkpoint.path)
+    assert meta["key"] == tiny_checkpoint.meta["key"]
+    for (name, pa), pb in zip(
+        tiny_checkpoint.model.state_dict().items(), model.state_dict().values(), strict=True
+    ):
+        assert torch.equal(pa, pb), name
+    assert model.lm_head.weight is model.wte.weight
+
+
+def test_second_request_is_a_fast_cache_hit(tiny_checkpoint, session_outputs: Path):
+    start = time.perf_counter()
+    again = get_checkpoint(make_cfg(session_outputs))
+    assert time.perf_counter() - start < 1.0
+    assert again.cached and again.path == tiny_checkpoint.path
+    # Settings that cannot change the weights share the checkpoint; ones that can, do not.
+    assert get_checkpoint(make_cfg(session_outputs, "train.threads=1", "train.eval_interval=7")).cached
+    assert make_cfg(session_outputs, "train.lr=0.001").train.lr == 0.001
+    from evictlab.train import checkpoint_key
+
+    corpus = load_corpus(
+        *[getattr(make_cfg(session_outputs), k) for k in ("dataset", "tokenizer", "outputs")]
+    )
+    assert checkpoint_key(make_cfg(session_outputs, "train.lr=0.001"), corpus) != tiny_checkpoint.meta["key"]
+
+
+def test_corrupt_checkpoint_is_retrained_with_a_warning(outputs: Path, caplog):
+    cfg = make_cfg(outputs, "train.steps=5", "train.warmup_steps=2")
+    first = get_checkpoint(cfg)
+    weights = first.path / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    weights.write_bytes(bytes(data[: len(data) // 2]))  # truncated
+    with caplog.at_level("WARNING"):
+        again = get_checkpoint(make_cfg(outputs, "train.steps=5", "train.warmup_steps=2"))
+    assert not again.cached and "retraining" in caplog.text
+    assert torch.equal(again.model.wte.weight, first.model.wte.weight)  # same seed, same weights
+    (again.path / "meta.json").write_text("{not json")
+    with caplog.at_level("WARNING"):
+        assert not get_checkpoint(make_cfg(outputs, "train.steps=5", "train.warmup_steps=2")).cached
+
+
+def test_two_processes_train_once(outputs: Path):
+    args = [*TINY, "train.steps=400"]
+    env_outputs = {"EVICTLAB_OUTPUTS": str(outputs)}
+    import os
+
+    env = {**os.environ, **env_outputs}
+    first = subprocess.Popen(
+        [sys.executable, "-m", "evictlab.train", *args],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    lines = []
+    for line in first.stdout:  # wait until the first process holds the lock and trains
+        lines.append(line)
+        if "training gpt_tiny" in line:
+            break
+    second = run_cli("evictlab.train", *args, outputs=outputs)
+    rest, _ = first.communicate(timeout=300)
+    out_first = "".join(lines) + rest
+    assert first.returncode == 0 and second.returncode == 0, out_first + second.stderr
+    assert "trained in" in out_first
+    assert "loaded from cache" in second.stdout and "training gpt_tiny" not in second.stdout
+    assert len(list((outputs / "checkpoints").glob("gpt_tiny-*/meta.json"))) == 1
+
+
+def test_lr_schedule_and_weight_decay_groups(tiny_checkpoint, session_outputs: Path):
+    tc = make_cfg(session_outputs, "train.steps=100", "train.warmup_steps=10").train
+    assert lr_at(0, tc) == pytest.approx(tc.lr / 10)
+    assert lr_at(9, tc) == pytest.approx(tc.lr)
+    assert lr_at(99, tc) == pytest.approx(tc.min_lr, rel=1e-2)
+    assert all(lr_at(s, tc) >= lr_at(s + 1, tc) for s in range(10, 99))
+    opt = make_optimizer(tiny_checkpoint.model, tc)
+    decayed, plain = opt.param_groups
+    assert all(p.dim() == 2 for p in decayed["params"]) and decayed["weight_decay"] == tc.weight_decay
+    assert all(p.dim() == 1 for p in plain["params"]) and plain["weight_decay"] == 0
+
+
+def test_samples_start_with_bos_and_mask_specials(session_outputs: Path):
+    cfg = make_cfg(session_outputs, "model.sink_token=true")
+    corpus = load_corpus(cfg.dataset, cfg.tokenizer, cfg.outputs)
+    tok = corpus.tokenizer
+    x, y = WindowSampler(corpus.splits["train"], corpus, 32, sink_token=True, seed=0).batch(4)
+    assert x.shape == y.shape == (4, 32)
+    assert (x[:, 0] == tok.sink_id).all() and (x[:, 1] == tok.bos_id).all()
+    assert (y[:, 0] == -1).all() and not torch.isin(y, torch.tensor([tok.bos_id, tok.sink_id])).any()
+    x2, _ = WindowSampler(corpus.splits["train"], corpus, 32, sink_token=False, seed=0).batch(4)
+    assert (x2[:, 0] == tok.bos_id).all()
+
+
+def test_ngram_baselines_on_a_known_stream(session_outputs: Path):
+    cfg = make_cfg(session_outputs)
+    corpus = load_corpus(cfg.dataset, cfg.tokenizer, cfg.outputs)
+    uni = ngram_bits_per_byte(corpus.splits["train"], corpus.splits["val"], corpus.tokenizer.vocab_size, 1)
+    bi = ngram_bits_per_byte(corpus.splits["train"], corpus.splits["val"], corpus.tokenizer.vocab_size, 2)
+    assert 4.0 < uni < 5.5 and 2.5 < bi < uni  # English bytes: ~4.5 bits unigram, ~3.3 bigram
