@@ -79,12 +79,16 @@ def rope_angles(pos: torch.Tensor, head_dim: int, base: float) -> tuple[torch.Te
     return angles.cos(), angles.sin()
 
 
-def apply_rope(x: torch.Tensor, pos: torch.Tensor, base: float) -> torch.Tensor:
-    """Rotate x [..., T, D] by positions pos (broadcastable to x.shape[:-1]); rotate-half convention."""
-    cos, sin = rope_angles(pos, x.shape[-1], base)
-    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE of x [..., D] with cos/sin [..., D/2] broadcastable to x's leading dims."""
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, pos: torch.Tensor, base: float) -> torch.Tensor:
+    """Rotate x [..., T, D] by positions pos (broadcastable to x.shape[:-1])."""
+    cos, sin = rope_angles(pos, x.shape[-1], base)
+    return rotate(x, cos.to(x.dtype), sin.to(x.dtype))
 
 
 class CausalSelfAttention(nn.Module):

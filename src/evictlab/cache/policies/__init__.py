@@ -1,0 +1,42 @@
+"""The policy registry: every module in this package registers its policy class by name.
+
+Adding a policy = adding one file here with a `@register` dataclass; the shared test matrix
+(tests/test_policies.py) and the configs pick it up by name.
+"""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+
+from evictlab.cache.policies.base import Policy, StepContext, choose_victim, protect
+from evictlab.errors import ConfigError
+
+POLICIES: dict[str, type[Policy]] = {}
+
+
+def register(cls: type[Policy]) -> type[Policy]:
+    if not cls.name:
+        raise TypeError(f"{cls.__name__} needs a `name`")
+    if cls.name in POLICIES and POLICIES[cls.name] is not cls:
+        raise TypeError(f"policy name {cls.name!r} registered twice")
+    POLICIES[cls.name] = cls
+    return cls
+
+
+def make_policy(name: str, **params) -> Policy:
+    """Build a registered policy from its name and parameters (validated on construction)."""
+    if name not in POLICIES:
+        raise ConfigError(f"unknown strategy {name!r}; known: {', '.join(sorted(POLICIES))}")
+    cls = POLICIES[name]
+    try:
+        return cls(**params)
+    except TypeError as e:
+        raise ConfigError(f"strategy {name!r}: {e}") from None
+
+
+for _mod in pkgutil.iter_modules(__path__):
+    if _mod.name != "base":
+        importlib.import_module(f"{__name__}.{_mod.name}")
+
+__all__ = ["POLICIES", "Policy", "StepContext", "choose_victim", "make_policy", "protect", "register"]

@@ -1,0 +1,123 @@
+"""What an eviction policy is: a small dataclass that scores cache entries; the engine evicts the lowest.
+
+The cache of one layer is a set of slots per (document, KV head). A policy never moves data; it sees a
+`StepContext` after each decode step's attention and answers `scores`: one number per slot, the
+lowest valid one is evicted (ties go to the oldest position). `inf` protects a slot.
+
+Per-slot state a policy keeps (accumulated attention, counters) lives in `ctx.state`, a dict of
+tensors shaped [B, Hkv, S, ...] whose dim 2 is the slot: the engine resets a slot's state when a new
+entry is written there (to zero, or to `entry_state`), and the reference loop deletes rows, so
+policies never manage slot reuse.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import ClassVar
+
+import torch
+
+from evictlab.errors import ConfigError
+
+INF = float("inf")
+
+
+@dataclass
+class StepContext:
+    """What a policy may look at after the attention of decode step t (query position t)."""
+
+    t: int  # the position (and step index) of the token just decoded
+    layer: int
+    budget: int  # entries this layer keeps between steps
+    pos: torch.Tensor  # [B, Hkv, S] text position of each slot, -1 where empty
+    keys: torch.Tensor  # [B, Hkv, S, D] keys as stored (post-RoPE in `original` mode, pre-RoPE in `cache`)
+    attn: torch.Tensor | None  # [B, Hkv, S] this step's attention on each slot, averaged over the query
+    #                              heads that share the KV head (None unless policy.needs_attention)
+    state: dict[str, torch.Tensor]
+    doc: torch.Tensor  # [B] global document index (for reproducible per-document randomness)
+    future: Callable[[torch.Tensor], torch.Tensor] | None = None  # oracle only: pos -> future attention
+
+    @property
+    def valid(self) -> torch.Tensor:
+        return self.pos >= 0
+
+
+@dataclass
+class Policy:
+    """Base class. Subclasses are dataclasses whose fields are the policy's parameters."""
+
+    name: ClassVar[str] = ""
+    needs_attention: ClassVar[bool] = False  # observe() needs the attention row (no fused SDPA)
+    needs_future: ClassVar[bool] = False  # uses the full-cache run's future attention (non-causal)
+    evicts: ClassVar[bool] = True  # False only for `full`
+    recompute: ClassVar[bool] = False  # True only for `recompute_window` (no KV cache at all)
+
+    def __post_init__(self) -> None:
+        self.check_params()
+
+    def check_params(self) -> None:
+        """Validate the policy's own parameters (raise ConfigError)."""
+
+    def min_budget(self) -> int:
+        """The smallest budget this policy can work with."""
+        return 1
+
+    def validate(self, budget: int) -> None:
+        if budget < 1:
+            raise ConfigError(f"budget={budget} must be >= 1")
+        if budget < self.min_budget():
+            raise ConfigError(
+                f"budget={budget} is too small for strategy {self.name!r} ({self.describe()}): "
+                f"it needs at least {self.min_budget()}"
+            )
+
+    def describe(self) -> str:
+        params = ", ".join(f"{k}={v}" for k, v in self.params().items())
+        return f"{self.name}({params})"
+
+    def params(self) -> dict:
+        return asdict(self)
+
+    @property
+    def label(self) -> str:
+        return f"{self.name} (non-causal upper bound)" if self.needs_future else self.name
+
+    # ---- the parallel path (position-static policies only) ----------------------------------------
+    def static_keep(self, n: int, budget: int, device: torch.device) -> torch.Tensor | None:
+        """For policies whose kept set depends only on positions: [n, n] bool, True where query i
+        attends to key j (itself included). None = not position-static (use the token loop)."""
+        return None
+
+    # ---- the token loop ------------------------------------------------------------------------------
+    def init_state(self, B: int, Hkv: int, S: int, like: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Per-slot state tensors [B, Hkv, S, ...] (device and float dtype taken from `like`)."""
+        return {}
+
+    def entry_state(self, k: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Initial per-slot state of a new entry from its pre-RoPE key k [B, Hkv, 1, D]; each value is
+        [B, Hkv, 1, ...]. State tensors not returned here start at zero."""
+        return {}
+
+    def observe(self, ctx: StepContext) -> None:
+        """Update per-slot state after the step's attention (before eviction)."""
+
+    def scores(self, ctx: StepContext) -> torch.Tensor:
+        """[B, Hkv, S]: the valid slot with the lowest score is evicted; inf protects a slot."""
+        raise NotImplementedError
+
+
+def protect(scores: torch.Tensor, ctx: StepContext, n_sink: int = 0, recent: int = 0) -> torch.Tensor:
+    """Give inf to the first n_sink positions and to the `recent` newest positions (t-recent+1 .. t)."""
+    keep = (ctx.pos < n_sink) | (ctx.pos > ctx.t - recent)
+    return scores.masked_fill(keep & ctx.valid, INF)
+
+
+def choose_victim(scores: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """Slot index [B, Hkv] to evict: the lowest score among valid slots, ties to the oldest position."""
+    valid = pos >= 0
+    s = scores.masked_fill(~valid, INF)
+    low = s.amin(dim=-1, keepdim=True)
+    cand = valid & ((s == low) | (low == INF))  # if every valid slot is protected, fall back to all
+    big = torch.iinfo(pos.dtype).max
+    return pos.masked_fill(~cand, big).argmin(dim=-1)

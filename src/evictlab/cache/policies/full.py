@@ -1,0 +1,22 @@
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from evictlab.cache.policies import register
+from evictlab.cache.policies.base import Policy, StepContext
+
+
+@register
+@dataclass
+class Full(Policy):
+    """Keep every entry: the reference that every other policy is compared with."""
+
+    name: ClassVar[str] = "full"
+    evicts: ClassVar[bool] = False
+
+    def static_keep(self, n: int, budget: int, device: torch.device) -> torch.Tensor:
+        return torch.ones(n, n, dtype=torch.bool, device=device).tril()
+
+    def scores(self, ctx: StepContext) -> torch.Tensor:
+        raise RuntimeError("the full cache never evicts")

@@ -1,0 +1,46 @@
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from evictlab.cache.policies import register
+from evictlab.cache.policies.base import Policy, StepContext, protect
+from evictlab.errors import ConfigError
+
+
+@register
+@dataclass
+class Scissorhands(Policy):
+    """Persistence of importance (Liu et al., 2023): over the last `history_window` steps, count how
+    often each entry got less attention than `threshold` x uniform (1 / entries held); evict the entry
+    that was unimportant most often. The `recent` newest entries are always kept."""
+
+    name: ClassVar[str] = "scissorhands"
+    needs_attention: ClassVar[bool] = True
+    history_window: int = 32
+    threshold: float = 1.0
+    recent: int = 4
+
+    def check_params(self) -> None:
+        if self.history_window < 1:
+            raise ConfigError(f"strategy.history_window={self.history_window} must be >= 1")
+        if self.threshold <= 0:
+            raise ConfigError(f"strategy.threshold={self.threshold} must be > 0")
+        if self.recent < 0:
+            raise ConfigError(f"strategy.recent={self.recent} must be >= 0")
+
+    def min_budget(self) -> int:
+        return self.recent + 1
+
+    def init_state(self, B: int, Hkv: int, S: int, like: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"low": torch.zeros(B, Hkv, S, self.history_window, dtype=torch.bool, device=like.device)}
+
+    def observe(self, ctx: StepContext) -> None:
+        valid = ctx.valid
+        held = valid.sum(dim=-1, keepdim=True)  # [B, Hkv, 1]
+        low = (ctx.attn < self.threshold / held) & valid
+        ctx.state["low"][..., ctx.t % self.history_window] = low
+
+    def scores(self, ctx: StepContext) -> torch.Tensor:
+        count = ctx.state["low"].sum(dim=-1).to(ctx.keys.dtype)
+        return protect(-count, ctx, recent=self.recent)
