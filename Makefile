@@ -6,7 +6,7 @@ PIP := $(VENV)/bin/pip
 PYTEST_ARGS ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help install test test-fast lint format train clean-cache
+.PHONY: help install test test-fast lint format train bench clean-cache
 
 help: ## List every target with one line each
 	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z_-]+:.*## / {printf "  make %-12s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
@@ -25,15 +25,18 @@ test-fast: ## Run the test suite without tests marked slow
 	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
 
 lint: ## Lint with ruff (check + format check)
-	$(VENV)/bin/ruff check src tests
-	$(VENV)/bin/ruff format --check src tests
+	$(VENV)/bin/ruff check src tests benchmarks
+	$(VENV)/bin/ruff format --check src tests benchmarks
 
 format: ## Auto-format and auto-fix with ruff
-	$(VENV)/bin/ruff format src tests
-	$(VENV)/bin/ruff check --fix src tests
+	$(VENV)/bin/ruff format src tests benchmarks
+	$(VENV)/bin/ruff check --fix src tests benchmarks
 
 train: ## Train (or load from cache) the default model: make train ARGS="model=gpt_tiny"
 	$(PY) -m evictlab.train $(ARGS)
+
+bench: ## Engine speed/KV-memory benchmark vs the naive reference loop -> outputs/bench/latest.json
+	$(PY) benchmarks/bench_engine.py $(ARGS)
 
 clean-cache: ## Delete cached tokens and checkpoints under outputs/
 	rm -rf outputs/cache outputs/checkpoints

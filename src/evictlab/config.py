@@ -26,7 +26,7 @@ CONF_DIR = REPO_ROOT / "conf"
 
 @dataclass
 class TrainConfig:
-    steps: int = 3000
+    steps: int = 1100
     batch_size: int = 32
     seq_len: int = 256  # tokens per training sample, the <bos> (and <sink>) prefix included
     lr: float = 3e-3
@@ -36,7 +36,7 @@ class TrainConfig:
     beta1: float = 0.9
     beta2: float = 0.95
     grad_clip: float = 1.0
-    eval_interval: int = 500  # steps between validation losses (and one at the end)
+    eval_interval: int = 100  # steps between validation losses (and one at the end)
     eval_batches: int = 8
     seed: int = 0
     threads: int = 0  # torch intra-op threads; 0 = torch's default

@@ -338,7 +338,7 @@ def _stream_loop(model, tokens, policy, budgets, mode, ref, doc) -> StreamOutput
             K, V, P = c.k[:, :, :U], c.v[:, :, :U], c.pos[:, :, :U]
             valid = P >= 0
             if rope and cache_mode:  # re-index: ranks 0..m-1 inside the cache, the query last
-                r = _ranks(P)
+                r = _ranks(P[0, 0]) if policy.position_only else _ranks(P)  # one layout, or per doc/head
                 K = rotate(K, cos[r], sin[r])
                 q = rotate(q, cos[c.count - 1], sin[c.count - 1])
             row = None

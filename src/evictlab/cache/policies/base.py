@@ -52,6 +52,9 @@ class Policy:
     needs_future: ClassVar[bool] = False  # uses the full-cache run's future attention (non-causal)
     evicts: ClassVar[bool] = True  # False only for `full`
     recompute: ClassVar[bool] = False  # True only for `recompute_window` (no KV cache at all)
+    # Decisions depend on positions only, so every document and head holds the same positions in the
+    # same slots (lets the engine re-index positions once per layer instead of per document and head).
+    position_only: ClassVar[bool] = False
 
     def __post_init__(self) -> None:
         self.check_params()

@@ -13,6 +13,7 @@ class Full(Policy):
     """Keep every entry: the reference that every other policy is compared with."""
 
     name: ClassVar[str] = "full"
+    position_only: ClassVar[bool] = True
     evicts: ClassVar[bool] = False
 
     def static_keep(self, n: int, budget: int, device: torch.device) -> torch.Tensor:

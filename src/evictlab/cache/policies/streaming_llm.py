@@ -15,6 +15,7 @@ class StreamingLLM(Policy):
     and the most recent `budget - n_sink` entries."""
 
     name: ClassVar[str] = "streaming_llm"
+    position_only: ClassVar[bool] = True
     n_sink: int = 4
 
     def check_params(self) -> None:

@@ -13,6 +13,7 @@ class Window(Policy):
     """Sliding window: keep the `budget` most recent entries, evict the oldest."""
 
     name: ClassVar[str] = "window"
+    position_only: ClassVar[bool] = True
 
     def static_keep(self, n: int, budget: int, device: torch.device) -> torch.Tensor:
         i = torch.arange(n, device=device)[:, None]

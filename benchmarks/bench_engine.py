@@ -1,0 +1,157 @@
+"""Engine speed and KV memory against the naive reference loop, measured in the same run.
+
+    python benchmarks/bench_engine.py            # the issue's workload (make bench)
+    python benchmarks/bench_engine.py --docs 8 --length 256 --quick
+
+Workload: gpt_small with random weights, `--docs` documents x `--length` tokens, budget `--budget`,
+`--threads` torch threads. The reference loop (batch 1, torch.cat) streams `--ref-docs` documents;
+the engine streams all of them. Writes outputs/bench/latest.json (one row per policy x mode) and
+prints the table that README quotes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from evictlab.cache import POLICIES, make_policy
+from evictlab.eval.engine import full_reference
+from evictlab.eval.evaluate import evaluate, kv_bytes
+from evictlab.eval.reference import reference_stream
+from evictlab.models.gpt import GPT, GPTConfig
+from evictlab.perf import cpu_name, matmul_flops_per_s, set_threads
+from evictlab.store import git_info, outputs_dir, write_json
+
+SCORE_FREE_TARGET, SCORED_TARGET, PARALLEL_TARGET = 10.0, 6.0, 20.0
+
+
+def forward_flops_per_token(model: GPT, budget: int, length: int, recompute: bool) -> float:
+    """Useful forward FLOPs per predicted token: weight matmuls + attention over the entries attended."""
+    cfg = model.cfg
+    weights = 2 * (model.num_params() - (model.wpe.weight.numel() if model.wpe is not None else 0))
+    n = length - 1
+    held = sum(min(t, budget) + 1 for t in range(n)) / n  # entries each query attends to (itself included)
+    if recompute:  # a fresh causal forward over the window for every prediction
+        w = min(budget + 1, n)
+        return w * (weights + 4 * cfg.n_layer * cfg.n_embd * (w + 1) / 2)
+    return weights + 4 * cfg.n_layer * cfg.n_embd * held
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--docs", type=int, default=64)
+    ap.add_argument("--length", type=int, default=1024)
+    ap.add_argument("--budget", type=int, default=128)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--batch", type=int, default=64, help="engine batch (documents per stream call)")
+    ap.add_argument("--ref-docs", type=int, default=1, help="documents the reference loop streams")
+    ap.add_argument("--policies", default="all", help="comma-separated names, or all")
+    ap.add_argument("--out", default=None, help="JSON path (default outputs/bench/latest.json)")
+    args = ap.parse_args(argv)
+
+    set_threads(args.threads)
+    torch.manual_seed(0)
+    cfg = GPTConfig(name="gpt_small", vocab_size=258, n_layer=4, n_head=4, n_embd=128)
+    model = GPT(cfg).eval()
+    tokens = torch.randint(0, 256, (args.docs, args.length))
+    tokens[:, 0] = 256  # <bos>
+    matmul = matmul_flops_per_s(seconds=1.0)
+    names = sorted(POLICIES) if args.policies == "all" else args.policies.split(",")
+    cases = [(n, "original") for n in names] + [(n, "cache") for n in ("streaming_llm", "h2o") if n in names]
+    rows = []
+    print(f"# {args.docs} docs x {args.length} tokens, budget {args.budget}, {args.threads} thread(s), "
+          f"matmul {matmul / 1e9:.0f} GFLOP/s", file=sys.stderr)  # fmt: skip
+    for name, mode in cases:
+        policy = make_policy(name)
+        n = args.length - 1
+        # reference loop: batch 1, torch.cat, explicit attention
+        ref_tokens = 0
+        start = time.perf_counter()
+        for d in range(args.ref_docs):
+            reference = (
+                full_reference(model, tokens[d : d + 1], attention=False, future=True)
+                if policy.needs_future
+                else None
+            )
+            reference_stream(
+                model, tokens[d], policy, args.budget, position_mode=mode, reference=reference, doc=d
+            )
+            ref_tokens += n
+        ref_s = time.perf_counter() - start
+        # engine: all documents, batched; the oracle needs the full-cache attention, so smaller batches
+        batch = min(args.batch, 8) if policy.needs_future else args.batch
+        res = evaluate(
+            model, tokens, policy, args.budget, position_mode=mode, batch_size=batch, diagnostics=False
+        )
+        eng_tps = res.summary["token_steps_per_s"]
+        ref_tps = ref_tokens / ref_s
+        flops = forward_flops_per_token(
+            model, args.budget if policy.evicts else n, args.length, policy.recompute
+        )
+        row = {
+            "policy": name,
+            "position_mode": mode,
+            "path": res.summary["path"],
+            "engine_tokens_per_s": eng_tps,
+            "reference_tokens_per_s": ref_tps,
+            "speedup": eng_tps / ref_tps,
+            "floor_fraction": eng_tps * flops / matmul,
+            "policy_time_share": res.summary["policy_time_share"],
+            "kv_bytes_T1024": kv_bytes(model, policy, args.budget, 1024),
+            "kv_bytes_T8192": kv_bytes(model, policy, args.budget, 8192),
+        }
+        target = (
+            PARALLEL_TARGET if row["path"] == "parallel"
+            else SCORED_TARGET if policy.needs_attention or policy.needs_future
+            else SCORE_FREE_TARGET
+        )  # fmt: skip
+        row["target_speedup"] = target
+        rows.append(row)
+        print(
+            f"{name:17s} {mode:8s} {row['path']:9s} engine {eng_tps:9.0f} tok/s  ref {ref_tps:6.0f} tok/s  "
+            f"x{row['speedup']:6.1f} (target {target:.0f})  floor {100 * row['floor_fraction']:5.1f}%",
+            file=sys.stderr,
+        )
+    report = {
+        "date": time.strftime("%Y-%m-%d"),
+        "machine": {
+            "cpu": cpu_name(),
+            "threads": args.threads,
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+        },  # fmt: skip
+        "workload": vars(args),
+        "matmul_flops_per_s": matmul,
+        "git": git_info(),
+        "rows": rows,
+    }
+    out = Path(args.out) if args.out else outputs_dir() / "bench" / "latest.json"
+    write_json(out, report)
+    print(markdown_table(report))
+    print(f"\nwrote {out}", file=sys.stderr)
+    return report
+
+
+def markdown_table(report: dict) -> str:
+    lines = [
+        "| policy | mode | path | engine tok/s | reference tok/s | speedup | target | FLOP floor "
+        "| KV bytes T=1024 | T=8192 |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in report["rows"]:
+        lines.append(
+            f"| {r['policy']} | {r['position_mode']} | {r['path']} | {r['engine_tokens_per_s']:,.0f} | "
+            f"{r['reference_tokens_per_s']:,.0f} | {r['speedup']:.1f}x | {r['target_speedup']:.0f}x | "
+            f"{100 * r['floor_fraction']:.1f}% | {r['kv_bytes_T1024']:,} | {r['kv_bytes_T8192']:,} |"
+        )
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    json.dumps(main())

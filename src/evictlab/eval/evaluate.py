@@ -1,0 +1,186 @@
+"""Evaluation streams from a corpus, batched evaluation of one policy, and the per-run summary."""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from enum import Enum
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from evictlab.cache.policies import Policy, make_policy
+from evictlab.data.dataset import Corpus
+from evictlab.errors import ConfigError
+from evictlab.eval.engine import FullReference, PositionMode, budgets_for, full_reference, stream
+from evictlab.models.gpt import GPT
+from evictlab.perf import peak_rss_bytes
+
+
+class StreamSource(str, Enum):
+    documents = "documents"  # each stream is one document from its start (documents must be long enough)
+    concat = "concat"  # the split's documents joined by <bos>, cut into consecutive chunks
+
+
+def eval_streams(
+    corpus: Corpus, n_streams: int, length: int, sink_token: bool, source: StreamSource | str = "concat",
+    split: str = "test",
+) -> torch.Tensor:  # fmt: skip
+    """[n_streams, length] token ids, each row starting with the corpus prefix (<sink>?, <bos>)."""
+    source = StreamSource(source)
+    prefix = corpus.prefix(sink_token)
+    body = length - len(prefix)
+    if body < 1 or n_streams < 1:
+        raise ConfigError(
+            f"eval.stream_len={length} and eval.n_streams={n_streams} must leave >= 1 text token"
+        )
+    sp = corpus.splits[split]
+    if source is StreamSource.documents:
+        rows = [sp.doc(i)[:body] for i in range(sp.n_docs) if len(sp.doc(i)) >= body]
+        if len(rows) < n_streams:
+            raise ConfigError(
+                f"eval.stream_len={length} is longer than the documents: only {len(rows)} of the {sp.n_docs} "
+                f"{split} documents of {corpus.name!r} hold {body} tokens, eval.n_streams={n_streams} needed "
+                "(use eval.stream_source=concat, a shorter stream or fewer streams)"
+            )
+    else:
+        text = sp.stream(corpus.tokenizer.bos_id if corpus.bos else None)
+        available = len(text) // body
+        if available < n_streams:
+            raise ConfigError(
+                f"eval.stream_len={length} x eval.n_streams={n_streams} is longer than the {split} documents "
+                f"of {corpus.name!r}: they hold {len(text)} tokens, {available} stream(s) of this length"
+            )
+        rows = [text[i * body : (i + 1) * body] for i in range(available)]
+    out = np.stack([np.concatenate((prefix, r)) for r in rows[:n_streams]]).astype(np.int64)
+    return torch.from_numpy(out)
+
+
+def kv_bytes(model: GPT, policy: Policy, budget: int, stream_len: int, allocation: str = "uniform") -> int:
+    """Bytes of K and V one sequence holds between steps at the end of a stream of `stream_len` tokens."""
+    cfg = model.cfg
+    n = stream_len - 1
+    per_entry = 2 * cfg.kv_heads * cfg.head_dim * model.wte.weight.element_size()
+    budgets = budgets_for(model, policy, budget, allocation, n)
+    return sum(min(b, n) for b in budgets) * per_entry
+
+
+@dataclass
+class EvalResult:
+    per_token: dict[str, np.ndarray]  # name -> [N, n] (or [N, n, L]) arrays
+    summary: dict[str, float | int | str | bool | list]
+    references: list[FullReference] = field(default_factory=list, repr=False)  # reusable per batch
+
+
+def evaluate(
+    model: GPT,
+    tokens: torch.Tensor,
+    policy: Policy,
+    budget: int,
+    *,
+    position_mode: PositionMode | str = PositionMode.original,
+    allocation: str = "uniform",
+    batch_size: int = 16,
+    diagnostics: bool = True,
+    force_loop: bool = False,
+    progress: bool = False,
+    references: list[FullReference] | None = None,
+) -> EvalResult:
+    """Stream every row of tokens [N, T] under the policy, in batches, against the full cache.
+
+    `references` (one per batch, from an earlier call's `.references`) lets a sweep compute the
+    full-cache run once and reuse it for every policy on the same streams.
+    """
+    N, T = tokens.shape
+    n = T - 1
+    outs, refs = [], []
+    start = time.perf_counter()
+    if references is not None:  # reuse the batches the references were computed on
+        sizes = [r.logp.shape[0] for r in references]
+        if sum(sizes) != N:
+            raise ValueError(f"references cover {sum(sizes)} streams, tokens has {N}")
+    else:
+        sizes = [min(batch_size, N - b0) for b0 in range(0, N, batch_size)]
+    batches = [sum(sizes[:i]) for i in range(len(sizes))]
+    for i, b0 in enumerate(
+        tqdm(batches, desc=f"{policy.name} b={budget}", disable=not progress, unit="batch")
+    ):
+        batch = tokens[b0 : b0 + sizes[i]]
+        reusable = references is not None and (references[i].future is not None or not policy.needs_future)
+        if reusable:
+            ref = references[i]
+        else:
+            ref = full_reference(model, batch, attention=diagnostics or policy.needs_future,
+                                 future=policy.needs_future)  # fmt: skip
+        refs.append(ref)
+        doc = torch.arange(b0, b0 + batch.shape[0], device=tokens.device)
+        outs.append(
+            stream(
+                model,
+                batch,
+                policy,
+                budget,
+                position_mode=position_mode,
+                allocation=allocation,
+                reference=ref,
+                force_loop=force_loop,
+                doc=doc,
+            )  # fmt: skip
+        )
+    seconds = time.perf_counter() - start
+
+    def cat(name: str) -> np.ndarray | None:
+        parts = [getattr(o, name) for o in outs]
+        return None if parts[0] is None else torch.cat(parts).float().cpu().numpy()
+
+    per_token = {k: v for k in ("nll", "kl", "agree", "lost", "sink_mass") if (v := cat(k)) is not None}
+    nll = per_token["nll"]
+    half = n // 2
+    o0 = outs[0]
+    summary: dict = {
+        "strategy": policy.name,
+        "strategy_label": policy.label,
+        "non_causal": policy.needs_future,
+        "strategy_params": policy.params(),
+        "budget": budget,
+        "budget_fraction": budget / n,
+        "layer_budgets": o0.budgets,
+        "position_mode": PositionMode(position_mode).value,
+        "allocation": allocation,
+        "path": o0.path,
+        "n_streams": N,
+        "stream_len": T,
+        "scored_tokens": int(nll.size),
+        "ppl": math.exp(float(nll.mean())),
+        "ppl_second_half": math.exp(float(nll[:, half:].mean())),
+        "nll_mean": float(nll.mean()),
+        "occupancy_max": int(o0.occupancy.max()),
+        "kv_bytes": kv_bytes(model, policy, budget, T, allocation),
+        "kv_bytes_full": kv_bytes(model, make_policy("full"), 0, T),
+        "peak_rss_bytes": peak_rss_bytes(),
+        "seconds": seconds,
+        "token_steps_per_s": N * n / sum(o.seconds for o in outs),
+        "policy_time_share": sum(o.policy_seconds for o in outs) / max(1e-12, sum(o.seconds for o in outs)),
+    }
+    if "kl" in per_token:
+        full_nll = torch.cat(
+            [
+                -r.logp.gather(-1, tokens[b0 : b0 + r.logp.shape[0], 1:, None].to(r.logp.device))[..., 0]
+                for r, b0 in zip(refs, batches, strict=True)
+            ]  # fmt: skip
+        )
+        per_token["nll_full"] = full_nll.float().cpu().numpy()
+        summary |= {
+            "kl_mean": float(per_token["kl"].mean()),
+            "agreement": float(per_token["agree"].mean()),
+            "ppl_full": math.exp(float(per_token["nll_full"].mean())),
+            "delta_nll": float((per_token["nll"] - per_token["nll_full"]).mean()),
+        }
+    if "lost" in per_token:
+        summary["attention_lost"] = float(per_token["lost"].mean())
+        summary["attention_lost_per_layer"] = per_token["lost"].mean(axis=(0, 1)).tolist()
+    if "sink_mass" in per_token:
+        summary["sink_mass_per_layer"] = per_token["sink_mass"].mean(axis=(0, 1)).tolist()
+    return EvalResult(per_token, summary, refs)

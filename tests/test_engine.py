@@ -1,0 +1,147 @@
+"""Engine inputs, budget allocation, evaluation streams and the per-run summary."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from evictlab.cache import make_policy
+from evictlab.cache.budget import allocate
+from evictlab.data import load_corpus
+from evictlab.errors import ConfigError
+from evictlab.eval import full_reference, stream
+from evictlab.eval.evaluate import eval_streams, evaluate, kv_bytes
+from evictlab.models.gpt import GPT, GPTConfig
+from tests.conftest import make_cfg
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    return GPT(GPTConfig(name="t", vocab_size=40, n_layer=4, n_head=4, n_embd=32, init_std=0.5)).eval()
+
+
+@pytest.fixture(scope="module")
+def tokens():
+    torch.manual_seed(1)
+    return torch.randint(0, 40, (2, 33))
+
+
+@pytest.mark.parametrize(
+    "name, params, budget, match",
+    [
+        ("window", {}, 0, "budget=0 must be >= 1"),
+        ("window", {}, -3, "budget=-3 must be >= 1"),
+        ("streaming_llm", {"n_sink": 4}, 4, "larger than strategy.n_sink=4"),
+        ("streaming_llm", {"n_sink": 4}, 2, "larger than strategy.n_sink=4"),
+        ("h2o", {"recent_fraction": 0.5}, 1, "h2o split does not fit"),
+        ("h2o", {"recent_fraction": 0.9}, 4, "h2o split does not fit"),
+        ("scissorhands", {"recent": 8}, 8, "needs at least 9"),
+        ("l2norm", {"n_sink": 2, "n_recent": 2}, 4, "needs at least 5"),
+    ],
+)
+def test_bad_budgets_fail_before_work(model, tokens, name, params, budget, match):
+    with pytest.raises(ConfigError, match=match):
+        stream(model, tokens, make_policy(name, **params), budget)
+
+
+@pytest.mark.parametrize(
+    "name, params, match",
+    [
+        ("belady", {}, "unknown strategy 'belady'; known: full, h2o, l2norm"),
+        ("h2o", {"recent_fraction": 1.5}, "recent_fraction=1.5 must be in"),
+        ("h2o", {"heavy": 3}, "unexpected keyword argument 'heavy'"),
+        ("streaming_llm", {"n_sink": -1}, "n_sink=-1"),
+        ("random", {"seed": 1.5}, "must be an integer"),
+        ("scissorhands", {"history_window": 0}, "history_window=0"),
+    ],
+)
+def test_bad_policy_parameters(name, params, match):
+    with pytest.raises(ConfigError, match=match):
+        make_policy(name, **params)
+
+
+def test_cache_mode_needs_rope(tokens):
+    learned = GPT(
+        GPTConfig(name="t", vocab_size=40, n_layer=1, n_head=2, n_embd=16, pos_emb="learned")
+    ).eval()
+    with pytest.raises(ConfigError, match="position_mode=cache needs RoPE"):
+        stream(learned, tokens, make_policy("window"), 8, position_mode="cache")
+    stream(learned, tokens, make_policy("window"), 8, position_mode="original")  # fine
+
+
+def test_oracle_needs_the_future(model, tokens):
+    with pytest.raises(ValueError, match="future=True"):
+        stream(model, tokens, make_policy("oracle"), 8)
+    assert "non-causal" in make_policy("oracle").label
+
+
+def test_pyramid_allocation_keeps_the_total_and_tilts_down():
+    assert allocate(64, 4, "uniform") == [64] * 4
+    p = allocate(64, 4, "pyramid")
+    assert sum(p) == 256 and p == sorted(p, reverse=True) and p[0] > 64 > p[-1]
+    assert sum(allocate(7, 5, "pyramid")) == 35
+    assert allocate(1, 3, "pyramid") == [1, 1, 1]
+
+
+def test_pyramid_runs_and_reports_layer_budgets(model, tokens):
+    out = stream(model, tokens, make_policy("h2o"), 8, allocation="pyramid")
+    assert out.budgets == allocate(8, 4, "pyramid")
+    assert out.occupancy.max(0).values.tolist() == out.budgets
+    with pytest.raises(ConfigError, match="layer 3 of the pyramid allocation"):
+        stream(model, tokens, make_policy("streaming_llm"), 6, allocation="pyramid")
+
+
+def test_stream_longer_than_the_documents(session_outputs):
+    cfg = make_cfg(session_outputs)
+    corpus = load_corpus(cfg.dataset, cfg.tokenizer, cfg.outputs)
+    tokens = eval_streams(corpus, 3, 256, sink_token=False, source="documents")
+    assert tokens.shape == (3, 256) and (tokens[:, 0] == corpus.tokenizer.bos_id).all()
+    with pytest.raises(ConfigError, match="longer than the documents"):
+        eval_streams(corpus, 3, 100_000, sink_token=False, source="documents")
+    with pytest.raises(ConfigError, match="longer than the test documents"):
+        eval_streams(corpus, 1000, 1024, sink_token=False, source="concat")
+    cat = eval_streams(corpus, 4, 512, sink_token=True, source="concat")
+    assert (cat[:, 0] == corpus.tokenizer.sink_id).all() and (cat[:, 1] == corpus.tokenizer.bos_id).all()
+    # consecutive chunks of one text
+    body = corpus.splits["test"].stream(corpus.tokenizer.bos_id)
+    np.testing.assert_array_equal(cat[1, 2:].numpy(), body[510:1020])
+
+
+def test_evaluate_summary_is_consistent(model, tokens):
+    res = evaluate(model, tokens, make_policy("h2o"), 8, batch_size=1)
+    s, pt = res.summary, res.per_token
+    assert (
+        pt["nll"].shape == (2, 32) and pt["lost"].shape == (2, 32, 4) and pt["sink_mass"].shape == (2, 32, 4)
+    )
+    assert s["ppl"] == pytest.approx(math.exp(pt["nll"].mean()), rel=1e-6)
+    assert s["ppl_second_half"] == pytest.approx(math.exp(pt["nll"][:, 16:].mean()), rel=1e-6)
+    assert s["delta_nll"] == pytest.approx((pt["nll"] - pt["nll_full"]).mean(), abs=1e-6)
+    assert 0 <= s["attention_lost"] <= 1 and all(0 <= m <= 1 for m in s["sink_mass_per_layer"])
+    assert s["kl_mean"] > 0 and 0 < s["agreement"] < 1 and s["path"] == "loop" and s["occupancy_max"] == 8
+    assert 0 < s["policy_time_share"] < 1 and s["token_steps_per_s"] > 0 and s["peak_rss_bytes"] > 0
+    full = evaluate(model, tokens, make_policy("full"), 8, references=res.references)
+    assert full.summary["kl_mean"] == pytest.approx(0, abs=1e-6) and full.summary["agreement"] == 1.0
+    assert full.summary["ppl"] == pytest.approx(s["ppl_full"], rel=1e-6)
+
+
+def test_kv_bytes_are_bounded_for_evicting_policies(model):
+    per_entry = 2 * 4 * 8 * 4  # k and v, 4 kv heads x head_dim 8, float32
+    for name in ("window", "streaming_llm", "h2o", "oracle", "recompute_window"):
+        p = make_policy(name)
+        assert kv_bytes(model, p, 64, 1024) == kv_bytes(model, p, 64, 8192) == 4 * 64 * per_entry
+    full = make_policy("full")
+    assert kv_bytes(model, full, 64, 8192) == 8 * kv_bytes(model, full, 64, 1024) + 7 * 4 * per_entry
+
+
+def test_full_reference_attention_rows_sum_to_one(model, tokens):
+    ref = full_reference(model, tokens, attention=True, future=True)
+    for a in ref.attn:
+        torch.testing.assert_close(a.sum(-1), torch.ones(a.shape[:-1]))
+    # future attention on key j at step i = attention from steps > i (summed over heads of the group)
+    i, j = 5, 3
+    expected = ref.attn[0][:, :, i + 1 :, j].sum(-1)
+    torch.testing.assert_close(ref.future[0][:, :, i, j], expected)
