@@ -4,9 +4,11 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 PYTEST_ARGS ?=
+EXP ?= default
+LAUNCHER ?= local
 
 .DEFAULT_GOAL := help
-.PHONY: help install test test-fast lint format train bench clean-cache
+.PHONY: help install test test-fast lint format train run sweep smoke print-config sync bench clean-cache
 
 help: ## List every target with one line each
 	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z_-]+:.*## / {printf "  make %-12s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
@@ -34,6 +36,22 @@ format: ## Auto-format and auto-fix with ruff
 
 train: ## Train (or load from cache) the default model: make train ARGS="model=gpt_tiny"
 	$(PY) -m evictlab.train $(ARGS)
+
+run: ## One run: make run ARGS="strategy=h2o budget=b128"
+	$(PY) -m evictlab.run $(ARGS)
+
+sweep: ## The experiment EXP (default: default) through LAUNCHER (local|submitit_local|slurm); resumes
+	$(PY) -m evictlab.run -m +experiment=$(EXP) hydra/launcher=$(LAUNCHER) $(ARGS)
+
+smoke: ## A two-minute sweep on a tiny model (EXP=smoke)
+	$(MAKE) sweep EXP=smoke
+
+print-config: ## Print the composed config of EXP (with its sweep) without running anything
+	$(PY) -m evictlab.run +experiment=$(EXP) --cfg all $(ARGS)
+
+sync: ## Upload offline W&B runs (needs a network and `wandb login`)
+	@ls -d outputs/wandb/offline-run-* >/dev/null 2>&1 || { echo "no offline W&B runs under outputs/wandb"; exit 0; }
+	$(VENV)/bin/wandb sync --include-offline outputs/wandb/offline-run-*
 
 bench: ## Engine speed/KV-memory benchmark vs the naive reference loop -> outputs/bench/latest.json
 	$(PY) benchmarks/bench_engine.py $(ARGS)

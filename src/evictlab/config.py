@@ -9,16 +9,22 @@ any work starts.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import Enum
 from pathlib import Path
+from typing import Any
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from evictlab.cache.budget import Allocation, allocate
+from evictlab.cache.policies import POLICIES, Policy, make_policy
 from evictlab.data.corpora import DatasetConfig
 from evictlab.data.tokenizers import TokenizerConfig
 from evictlab.errors import ConfigError
-from evictlab.models.gpt import GPTConfig
+from evictlab.eval.engine import PositionMode
+from evictlab.eval.evaluate import StreamSource
+from evictlab.models.gpt import GPTConfig, PosEmb
 from evictlab.store import REPO_ROOT
 
 CONF_DIR = REPO_ROOT / "conf"
@@ -64,8 +70,100 @@ class TrainConfig:
 
 
 @dataclass
+class StrategyConfig:
+    """An eviction policy by registered name, with its dataclass parameters."""
+
+    name: str = "full"
+    params: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.name not in POLICIES:
+            raise ConfigError(f"strategy.name={self.name!r} is unknown; known: {', '.join(sorted(POLICIES))}")
+        self.build()  # parameter checks
+
+    def build(self) -> Policy:
+        return make_policy(self.name, **dict(self.params))
+
+
+@dataclass
+class BudgetConfig:
+    """KV entries a layer keeps between steps: absolute (`tokens`) or a fraction of the scored stream."""
+
+    name: str = "b64"
+    tokens: int | None = 64
+    fraction: float | None = None
+
+    def __post_init__(self) -> None:
+        if (self.tokens is None) == (self.fraction is None):
+            raise ConfigError("budget: set exactly one of budget.tokens and budget.fraction")
+        if self.tokens is not None and (isinstance(self.tokens, bool) or self.tokens < 1):
+            raise ConfigError(f"budget.tokens={self.tokens} must be >= 1")
+        if self.fraction is not None and not 0 < self.fraction <= 1:
+            raise ConfigError(f"budget.fraction={self.fraction} must be in (0, 1]")
+
+    def resolve(self, stream_len: int) -> int:
+        """Absolute entries for a stream of stream_len tokens (stream_len - 1 predictions)."""
+        if self.tokens is not None:
+            return self.tokens
+        return max(1, round(self.fraction * (stream_len - 1)))
+
+
+@dataclass
+class EvalConfig:
+    n_streams: int = 8
+    stream_len: int = 512  # tokens per stream, the <bos> (and <sink>) prefix included
+    stream_source: StreamSource = StreamSource.concat
+    split: str = "test"
+    position_mode: PositionMode = PositionMode.original
+    allocation: Allocation = Allocation.uniform
+    batch_size: int = 16
+    diagnostics: bool = True  # attention lost / sink mass (needs the full-cache attention matrices)
+    force_loop: bool = False  # never take the parallel path
+    device: str = "cpu"
+    threads: int = 1  # torch threads per run (sweeps run several runs at once)
+    progress: bool = False
+
+    def __post_init__(self) -> None:
+        for key in ("n_streams", "batch_size"):
+            if getattr(self, key) < 1:
+                raise ConfigError(f"eval.{key}={getattr(self, key)} must be >= 1")
+        if self.stream_len < 2:
+            raise ConfigError(f"eval.stream_len={self.stream_len} must be >= 2")
+        if self.split not in ("train", "val", "test"):
+            raise ConfigError(f"eval.split={self.split!r} must be train, val or test")
+        if self.threads < 0:
+            raise ConfigError(f"eval.threads={self.threads} must be >= 0")
+        check_device("eval.device", self.device)
+
+
+class LoggerMode(str, Enum):
+    offline = "offline"  # write W&B runs locally; `make sync` uploads them later
+    online = "online"
+    disabled = "disabled"
+
+
+@dataclass
+class LoggerConfig:
+    mode: LoggerMode = LoggerMode.offline
+    project: str | None = None  # None: $WANDB_PROJECT or "evictlab"
+    entity: str | None = None  # None: $WANDB_ENTITY or your default entity
+    log_checkpoint: bool = True  # the checkpoint as a W&B artifact (train runs)
+
+
+@dataclass
 class PathsConfig:
     outputs: str = "${oc.env:EVICTLAB_OUTPUTS,outputs}"
+
+
+def check_device(key: str, device: str) -> None:
+    import torch
+
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        raise ConfigError(f"{key}={device!r} is not a torch device") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"{key}={device} but no CUDA GPU is visible to torch on this machine")
 
 
 @dataclass
@@ -74,14 +172,49 @@ class Config:
     dataset: DatasetConfig = field(default_factory=DatasetConfig)
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    strategy: StrategyConfig = field(default_factory=StrategyConfig)
+    budget: BudgetConfig = field(default_factory=BudgetConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
     paths: PathsConfig = field(default_factory=PathsConfig)
+    seed: int = 0  # evaluation seed: which stretch of text the streams cover, and seeded policies
+    group: str = "adhoc"  # the sweep (experiment) a run belongs to: names its folder and W&B group
 
     def __post_init__(self) -> None:
-        if self.model.pos_emb == "learned" and self.train.seq_len > self.model.block_size:
+        learned = self.model.pos_emb is PosEmb.learned
+        if learned and self.train.seq_len > self.model.block_size:
             raise ConfigError(
                 f"train.seq_len={self.train.seq_len} is longer than the learned position table "
                 f"(model.block_size={self.model.block_size})"
             )
+        if learned and self.eval.stream_len > self.model.block_size:
+            raise ConfigError(
+                f"eval.stream_len={self.eval.stream_len} is longer than the learned position table "
+                f"(model.block_size={self.model.block_size})"
+            )
+        if learned and self.eval.position_mode is PositionMode.cache:
+            raise ConfigError(
+                "eval.position_mode=cache needs RoPE: positions cannot be re-indexed inside the cache for "
+                "model.pos_emb=learned"
+            )
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise ConfigError(f"seed={self.seed!r} must be an integer")
+        check_device("train.device", self.train.device)
+        policy = self.strategy.build()
+        if policy.evicts:
+            budget = self.budget.resolve(self.eval.stream_len)
+            for layer, b in enumerate(allocate(budget, self.model.n_layer, self.eval.allocation)):
+                try:
+                    policy.validate(b)
+                except ConfigError as e:
+                    where = f" (layer {layer}, eval.allocation={self.eval.allocation.value})"
+                    raise ConfigError(
+                        f"{e}{where if self.eval.allocation is Allocation.pyramid else ''}"
+                    ) from None
+
+    @property
+    def resolved_budget(self) -> int:
+        return self.budget.resolve(self.eval.stream_len)
 
     @property
     def outputs(self) -> Path:

@@ -26,9 +26,13 @@ class StreamSource(str, Enum):
 
 def eval_streams(
     corpus: Corpus, n_streams: int, length: int, sink_token: bool, source: StreamSource | str = "concat",
-    split: str = "test",
+    split: str = "test", seed: int | None = None,
 ) -> torch.Tensor:  # fmt: skip
-    """[n_streams, length] token ids, each row starting with the corpus prefix (<sink>?, <bos>)."""
+    """[n_streams, length] token ids, each row starting with the corpus prefix (<sink>?, <bos>).
+
+    `documents`: the first n_streams long-enough documents (a seed shuffles which ones). `concat`:
+    consecutive chunks of the split's text, from its start (or from a seeded random offset).
+    """
     source = StreamSource(source)
     prefix = corpus.prefix(sink_token)
     body = length - len(prefix)
@@ -39,6 +43,8 @@ def eval_streams(
     sp = corpus.splits[split]
     if source is StreamSource.documents:
         rows = [sp.doc(i)[:body] for i in range(sp.n_docs) if len(sp.doc(i)) >= body]
+        if seed is not None:
+            rows = [rows[i] for i in np.random.default_rng(seed).permutation(len(rows))]
         if len(rows) < n_streams:
             raise ConfigError(
                 f"eval.stream_len={length} is longer than the documents: only {len(rows)} of the {sp.n_docs} "
@@ -53,7 +59,12 @@ def eval_streams(
                 f"eval.stream_len={length} x eval.n_streams={n_streams} is longer than the {split} documents "
                 f"of {corpus.name!r}: they hold {len(text)} tokens, {available} stream(s) of this length"
             )
-        rows = [text[i * body : (i + 1) * body] for i in range(available)]
+        start = (
+            0
+            if seed is None
+            else int(np.random.default_rng(seed).integers(0, len(text) - n_streams * body + 1))
+        )
+        rows = [text[start + i * body : start + (i + 1) * body] for i in range(n_streams)]
     out = np.stack([np.concatenate((prefix, r)) for r in rows[:n_streams]]).astype(np.int64)
     return torch.from_numpy(out)
 

@@ -1,0 +1,118 @@
+"""The only module that talks to Weights & Biases. W&B is a mirror: local files are the truth.
+
+Offline by default (runs land in outputs/wandb/, `make sync` uploads them). If W&B cannot start
+(online without a network, a bad key) the run goes on locally and says so in one line.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from evictlab.config import Config, LoggerMode
+
+
+def _project(cfg: Config) -> str:
+    return cfg.logger.project or os.environ.get("WANDB_PROJECT") or "evictlab"
+
+
+@contextmanager
+def wandb_run(
+    cfg: Config, *, job_type: str, run_id: str, name: str, tags: list[str], config: dict[str, Any]
+) -> Iterator[Any | None]:
+    """A W&B run (or None when disabled or unavailable), always finished when the block exits."""
+    if cfg.logger.mode is LoggerMode.disabled:
+        yield None
+        return
+    try:
+        import wandb
+
+        run = wandb.init(
+            mode=cfg.logger.mode.value,
+            project=_project(cfg),
+            entity=cfg.logger.entity or os.environ.get("WANDB_ENTITY") or None,
+            dir=str(cfg.outputs),
+            id=run_id,
+            name=name,
+            group=cfg.group,
+            job_type=job_type,
+            tags=tags,
+            config=config,
+            resume="allow",
+            reinit="finish_previous",
+            settings=wandb.Settings(silent=True, console="off", init_timeout=60),
+        )
+    except Exception as e:  # noqa: BLE001 - any failure to start W&B must not fail the run
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        print(
+            f"W&B could not start ({type(e).__name__}: {first}); the run continues locally", file=sys.stderr
+        )
+        yield None
+        return
+    ok = False
+    try:
+        yield run
+        ok = True
+    finally:
+        run.finish(exit_code=0 if ok else 1)
+
+
+def _numeric(d: dict[str, Any]) -> dict[str, float]:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, bool):
+            out[k] = int(v)
+        elif isinstance(v, int | float) and not (isinstance(v, float) and math.isnan(v)):
+            out[k] = v
+    return out
+
+
+def log_training(cfg: Config, meta: dict[str, Any], checkpoint: Path) -> None:
+    """A job_type=train run: the loss curves, the final losses and the checkpoint as an artifact."""
+    tags = [f"model:{cfg.model.name}", f"dataset:{cfg.dataset.name}"]
+    config = {k: meta[k] for k in ("model", "train", "dataset", "tokenizer")}
+    run_id, name = f"train-{meta['key']}", f"train {checkpoint.name}"
+    with wandb_run(cfg, job_type="train", run_id=run_id, name=name, tags=tags, config=config) as run:
+        if run is None:
+            return
+        for row in meta["history"]:
+            run.log({k: v for k, v in row.items() if k != "step"}, step=int(row["step"]))
+        run.summary.update(_numeric({k: v for k, v in meta.items() if k != "history"}))
+        if cfg.logger.log_checkpoint:
+            import wandb
+
+            art = wandb.Artifact(
+                f"checkpoint-{meta['key']}", type="model", metadata={"path": str(checkpoint)}
+            )
+            art.add_dir(str(checkpoint))
+            run.log_artifact(art)
+
+
+def log_eval(cfg: Config, run_key: str, config: dict[str, Any], metrics: dict[str, Any], curve) -> None:
+    """A job_type=eval run: the run's summary metrics and its NLL-by-position curve (table + line plot).
+
+    `curve`: a pandas frame with columns position, nll, nll_full (means over streams).
+    """
+    tags = [
+        f"strategy:{cfg.strategy.name}", f"budget:{cfg.budget.name}", f"model:{cfg.model.name}",
+        f"dataset:{cfg.dataset.name}", f"position_mode:{cfg.eval.position_mode.value}",
+    ]  # fmt: skip
+    name = f"{cfg.strategy.name} {cfg.budget.name} s{cfg.seed} {cfg.eval.position_mode.value}"
+    with wandb_run(cfg, job_type="eval", run_id=run_key, name=name, tags=tags, config=config) as run:
+        if run is None:
+            return
+        import wandb
+
+        run.summary.update(_numeric(metrics))
+        table = wandb.Table(dataframe=curve)
+        run.log(
+            {
+                "nll_by_position": table,
+                "nll_curve": wandb.plot.line(table, "position", "nll", title="NLL by position"),
+            }
+        )
