@@ -15,7 +15,7 @@ import shutil
 import sys
 import time
 import uuid
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -273,7 +273,9 @@ def save_checkpoint(dest: Path, model: GPT, meta: dict[str, Any]) -> None:
 def get_checkpoint(cfg: Config, corpus: Corpus | None = None) -> Checkpoint:
     """The trained model for cfg: from the cache when present and intact, else trained (once)."""
     corpus = corpus or load_corpus(cfg.dataset, cfg.tokenizer, cfg.outputs, min_tokens=cfg.train.seq_len + 1)
-    cfg.model.vocab_size = corpus.tokenizer.vocab_size
+    cfg = replace(
+        cfg, model=replace(cfg.model, vocab_size=corpus.tokenizer.vocab_size)
+    )  # caller's cfg untouched
     key = checkpoint_key(cfg, corpus)
     root = cfg.outputs / "checkpoints"
     dest = root / f"{cfg.model.name}-{key}"

@@ -1,0 +1,227 @@
+"""The pipeline: run files, resume, failures, W&B offline read-back, sweeps, bad configs, reproducibility."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from evictlab import run as run_mod
+from evictlab.config import compose, to_objects
+from evictlab.store import REPO_ROOT
+from tests.conftest import run_cli
+from tests.wandb_reader import read_run
+
+FAST = ["model=gpt_tiny", "train=tiny", "train.progress=false", "eval.n_streams=2", "eval.stream_len=96"]
+
+
+def cfg_for(outputs: Path, *overrides: str):
+    return to_objects(compose([*FAST, f"paths.outputs={outputs}", *overrides]))
+
+
+def ok_runs(outputs: Path) -> dict[str, dict]:
+    out = {}
+    for m in (outputs / "runs").rglob("metrics.json"):
+        d = json.loads(m.read_text())
+        if d["status"] == "ok":
+            out[m.parent.name] = d
+    return out
+
+
+def test_run_writes_its_files_and_resumes(outputs: Path):
+    cfg = cfg_for(outputs, "strategy=h2o", "budget=b16", "logger=none")
+    metrics = run_mod.run(cfg)
+    d = run_mod.run_dir(cfg)
+    assert d.name.startswith("h2o-b16-") and d.parent.name == "adhoc"
+    assert {p.name for p in d.iterdir()} == {
+        "config.yaml",
+        "run_info.json",
+        "per_token.parquet",
+        "metrics.json",
+    }
+    assert metrics["status"] == "ok" and metrics["run_key"] == run_mod.run_key(cfg)
+    frame = pd.read_parquet(d / "per_token.parquet")
+    assert len(frame) == 2 * 95 and {"stream", "position", "nll", "kl", "agree", "lost_mean"} <= set(frame)
+    info = json.loads((d / "run_info.json").read_text())
+    assert {"git", "packages", "host", "slurm_job_id"} <= set(info)
+    mtime = (d / "metrics.json").stat().st_mtime_ns
+    again = run_mod.run(cfg_for(outputs, "strategy=h2o", "budget=b16", "logger=none"))
+    assert again["skipped"] and (d / "metrics.json").stat().st_mtime_ns == mtime
+
+
+def test_run_key_ignores_logging_and_threads_but_not_results(outputs: Path):
+    base = run_mod.run_key(cfg_for(outputs, "strategy=window"))
+    assert base == run_mod.run_key(
+        cfg_for(outputs / "elsewhere", "strategy=window", "logger=none", "eval.threads=2")
+    )
+    assert base != run_mod.run_key(cfg_for(outputs, "strategy=window", "seed=1"))
+    assert base != run_mod.run_key(cfg_for(outputs, "strategy=window", "budget=b16"))
+    # the full cache ignores the budget, so every budget maps to one run
+    assert run_mod.run_key(cfg_for(outputs, "budget=b16")) == run_mod.run_key(cfg_for(outputs, "budget=b32"))
+
+
+def test_a_failed_run_records_the_error_and_reraises(outputs: Path, monkeypatch):
+    def boom(*a, **k):
+        raise RuntimeError("simulated crash in the engine")
+
+    monkeypatch.setattr(run_mod, "evaluate", boom)
+    cfg = cfg_for(outputs, "strategy=window", "logger=none")
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        run_mod.run(cfg)
+    m = json.loads((run_mod.run_dir(cfg) / "metrics.json").read_text())
+    assert m["status"] == "failed" and "simulated crash" in m["error"] and "Traceback" in m["traceback"]
+    assert not ok_runs(outputs)
+    monkeypatch.undo()
+    assert run_mod.run(cfg)["status"] == "ok"  # a failed run is retried on the next call
+
+
+def test_offline_wandb_run_holds_config_tags_and_metrics(outputs: Path):
+    cfg = cfg_for(outputs, "strategy=streaming_llm", "budget=b16")
+    metrics = run_mod.run(cfg)
+    files = list((outputs / "wandb").glob(f"offline-run-*-{metrics['run_key']}/run-*.wandb"))
+    assert len(files) == 1
+    wb = read_run(files[0])
+    assert wb["id"] == metrics["run_key"] and wb["job_type"] == "eval" and wb["group"] == "adhoc"
+    assert set(wb["tags"]) == {
+        "strategy:streaming_llm", "budget:b16", "model:gpt_tiny", "dataset:pydoc_topics", "position_mode:original",
+    }  # fmt: skip
+    assert wb["config"]["strategy"] == {"name": "streaming_llm", "params": {"n_sink": 4}}
+    assert wb["config"]["budget"]["tokens"] == 16 and wb["config"]["seed"] == 0
+    for key in ("ppl", "ppl_second_half", "kl_mean", "agreement", "kv_bytes", "token_steps_per_s"):
+        assert wb["summary"][key] == pytest.approx(metrics[key]), key
+    assert any("nll_by_position/nrows" in h for h in wb["history"])
+    # the training run that produced the checkpoint was logged once, with its loss curve
+    train = list((outputs / "wandb").glob("offline-run-*-train-*/run-*.wandb"))
+    assert len(train) == 1
+    twb = read_run(train[0])
+    assert twb["job_type"] == "train" and len([h for h in twb["history"] if "train_loss" in h]) == 60
+
+
+def test_wandb_that_cannot_start_does_not_fail_the_run(outputs: Path, monkeypatch, capsys):
+    import wandb
+
+    def no_network(*a, **k):
+        raise wandb.errors.CommError("could not reach api.wandb.ai")
+
+    monkeypatch.setattr(wandb, "init", no_network)
+    metrics = run_mod.run(cfg_for(outputs, "strategy=window", "logger=wandb_online"))
+    assert metrics["status"] == "ok"
+    err = capsys.readouterr().err
+    assert err.count("W&B could not start") >= 1 and "the run continues locally" in err
+
+
+def test_same_config_and_seed_bit_identical_across_processes(outputs: Path):
+    args = [*FAST, "strategy=h2o", "budget=b16", "logger=none", "seed=3"]
+    a = run_cli("evictlab.run", *args, "group=a", outputs=outputs)
+    b = run_cli("evictlab.run", *args, "group=b", outputs=outputs)
+    assert a.returncode == 0 and b.returncode == 0, a.stderr + b.stderr
+    pa = next((outputs / "runs" / "a").glob("h2o-*/per_token.parquet"))
+    pb = next((outputs / "runs" / "b").glob("h2o-*/per_token.parquet"))
+    fa, fb = pd.read_parquet(pa), pd.read_parquet(pb)
+    assert (fa["nll"].to_numpy() == fb["nll"].to_numpy()).all()
+    c = run_cli(
+        "evictlab.run",
+        *FAST,
+        "strategy=h2o",
+        "budget=b16",
+        "logger=none",
+        "seed=4",
+        "group=c",
+        outputs=outputs,
+    )
+    assert c.returncode == 0
+    fc = pd.read_parquet(next((outputs / "runs" / "c").glob("h2o-*/per_token.parquet")))
+    assert not (fc["nll"].to_numpy() == fa["nll"].to_numpy()).all()  # another seed: other text
+
+
+BAD = [
+    ("unknown-strategy", ["strategy=belady"], "strategy/belady"),
+    ("unknown-budget-option", ["budget=b7"], "budget/b7"),
+    ("budget-zero", ["budget.tokens=0"], "budget.tokens=0"),
+    ("budget-negative", ["budget.tokens=-8"], "budget.tokens=-8"),
+    ("fraction-above-one", ["budget=frac1_2", "budget.fraction=1.5"], "budget.fraction=1.5"),
+    ("non-integer-seed", ["seed=1.5"], "seed"),
+    ("n-sink-ge-budget", ["strategy=streaming_llm", "budget=b16", "strategy.params.n_sink=16"], "n_sink=16"),
+    ("missing-text-path", ["dataset=text_files", "dataset.path=/nonexistent/x.txt"], "dataset.path"),
+    ("cache-mode-learned", ["model.pos_emb=learned", "eval.position_mode=cache"], "position_mode=cache"),
+    ("cuda-without-gpu", ["eval.device=cuda"], "eval.device=cuda"),
+    ("experiment-missing", ["+experiment=nope"], "experiment/nope"),
+    ("unknown-strategy-param", ["strategy=h2o", "+strategy.params.heavy=3"], "heavy"),
+    ("h2o-split", ["strategy=h2o", "budget=b16", "strategy.params.recent_fraction=0.99"], "h2o split"),
+    ("zero-streams", ["eval.n_streams=0"], "eval.n_streams=0"),
+    ("bad-position-mode", ["eval.position_mode=rotary"], "position_mode"),
+    (
+        "stream-too-long",
+        ["eval.stream_source=documents", "eval.stream_len=100000"],
+        "longer than the documents",
+    ),
+]
+
+
+@pytest.mark.parametrize("overrides, expect", [b[1:] for b in BAD], ids=[b[0] for b in BAD])
+def test_bad_configs_fail_in_one_line(overrides, expect, outputs: Path):
+    res = run_cli("evictlab.run", *FAST, "logger=none", *overrides, outputs=outputs)
+    assert res.returncode != 0
+    lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
+    assert lines and expect in lines[0], res.stderr
+    if lines[0].startswith("error: "):
+        assert len(lines) == 1, res.stderr
+    assert "Traceback" not in res.stderr
+    assert not (outputs / "runs").exists() or not ok_runs(outputs)
+
+
+def _sweep(outputs: Path, *extra: str) -> subprocess.Popen:
+    env = {**os.environ, "EVICTLAB_OUTPUTS": str(outputs)}
+    return subprocess.Popen(
+        [sys.executable, "-m", "evictlab.run", "-m", "+experiment=smoke", "logger=none", *extra],
+        cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True,
+    )  # fmt: skip
+
+
+@pytest.mark.slow
+def test_killed_sweep_resumes_and_every_run_ends_ok_once(outputs: Path):
+    proc = _sweep(outputs, "hydra/launcher=basic")
+    deadline = time.time() + 240
+    while len(ok_runs(outputs)) < 3 and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.2)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    before = {
+        k: (outputs / "runs" / "smoke" / k / "metrics.json").stat().st_mtime_ns for k in ok_runs(outputs)
+    }
+    assert 3 <= len(before) < 7
+    for bad in (outputs / "runs").rglob("*.tmp"):  # a temp file may remain; it is never read as a result
+        assert not bad.name.endswith(".json")
+    again = _sweep(outputs, "hydra/launcher=basic")
+    log, _ = again.communicate(timeout=300)
+    assert again.returncode == 0, log
+    done = ok_runs(outputs)
+    assert len(done) == 7  # 4 strategies x 2 budgets, full counted once
+    for k, mtime in before.items():  # finished runs were not redone
+        assert (outputs / "runs" / "smoke" / k / "metrics.json").stat().st_mtime_ns == mtime
+    third = _sweep(outputs, "hydra/launcher=basic")
+    log, _ = third.communicate(timeout=300)
+    assert log.count("already done") == 8
+
+
+@pytest.mark.slow
+def test_submitit_local_sweep_takes_the_slurm_code_path(outputs: Path):
+    proc = _sweep(outputs, "hydra/launcher=submitit_local",
+                  "hydra.sweeper.params.strategy=window,h2o", "hydra.sweeper.params.budget=b16,b32")  # fmt: skip
+    log, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0, log
+    done = ok_runs(outputs)
+    assert len(done) == 4
+    # submitit ran each job in its own process and left its logs: the path a SLURM array takes
+    assert len(list((outputs / "hydra" / "sweeps" / "smoke").rglob("*_submitted.pkl"))) >= 4
+    assert len({d["run_key"] for d in done.values()}) == 4
+    # four jobs needed one checkpoint: it was trained once
+    assert len(list((outputs / "checkpoints").glob("gpt_tiny-*/meta.json"))) == 1
