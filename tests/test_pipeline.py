@@ -90,7 +90,8 @@ def test_offline_wandb_run_holds_config_tags_and_metrics(outputs: Path):
     wb = read_run(files[0])
     assert wb["id"] == metrics["run_key"] and wb["job_type"] == "eval" and wb["group"] == "adhoc"
     assert set(wb["tags"]) == {
-        "strategy:streaming_llm", "budget:b16", "model:gpt_tiny", "dataset:pydoc_topics", "position_mode:original",
+        "strategy:streaming_llm", "budget:b16", "model:gpt_tiny", "dataset:pydoc_topics",
+        "position_mode:original",
     }  # fmt: skip
     assert wb["config"]["strategy"] == {"name": "streaming_llm", "params": {"n_sink": 4}}
     assert wb["config"]["budget"]["tokens"] == 16 and wb["config"]["seed"] == 0
@@ -214,8 +215,8 @@ def test_killed_sweep_resumes_and_every_run_ends_ok_once(outputs: Path):
 
 @pytest.mark.slow
 def test_submitit_local_sweep_takes_the_slurm_code_path(outputs: Path):
-    proc = _sweep(outputs, "hydra/launcher=submitit_local",
-                  "hydra.sweeper.params.strategy=window,h2o", "hydra.sweeper.params.budget=b16,b32")  # fmt: skip
+    grid = ["hydra.sweeper.params.strategy=window,h2o", "hydra.sweeper.params.budget=b16,b32"]
+    proc = _sweep(outputs, "hydra/launcher=submitit_local", *grid)
     log, _ = proc.communicate(timeout=600)
     assert proc.returncode == 0, log
     done = ok_runs(outputs)
