@@ -6,9 +6,10 @@ PIP := $(VENV)/bin/pip
 PYTEST_ARGS ?=
 EXP ?= default
 LAUNCHER ?= local
+OUT ?= $(or $(EVICTLAB_OUTPUTS),outputs)
 
 .DEFAULT_GOAL := help
-.PHONY: help install test test-fast lint format train run sweep smoke print-config sync bench clean-cache
+.PHONY: help install test test-fast lint format train run sweep smoke aggregate figures print-config sync bench clean-cache
 
 help: ## List every target with one line each
 	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z_-]+:.*## / {printf "  make %-12s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
@@ -40,8 +41,17 @@ train: ## Train (or load from cache) the default model: make train ARGS="model=g
 run: ## One run: make run ARGS="strategy=h2o budget=b128"
 	$(PY) -m evictlab.run $(ARGS)
 
-sweep: ## The experiment EXP (default: default) through LAUNCHER (local|submitit_local|slurm); resumes
+sweep: ## Train (cached), run experiment EXP through LAUNCHER (local|submitit_local|slurm), aggregate, figures
+	$(PY) -m evictlab.train +experiment=$(EXP) $(ARGS)
 	$(PY) -m evictlab.run -m +experiment=$(EXP) hydra/launcher=$(LAUNCHER) $(ARGS)
+	$(PY) -m evictlab.aggregate $(OUT)/runs/$(EXP)
+	$(PY) -m evictlab.figures $(OUT)/runs/$(EXP)
+
+aggregate: ## Collect a sweep's runs into results.parquet (+ failures.csv): make aggregate EXP=default
+	$(PY) -m evictlab.aggregate $(OUT)/runs/$(EXP)
+
+figures: ## Figures + HTML report from a sweep's results (no training, no eval): make figures EXP=default
+	$(PY) -m evictlab.figures $(OUT)/runs/$(EXP)
 
 smoke: ## A two-minute sweep on a tiny model (EXP=smoke)
 	$(MAKE) sweep EXP=smoke
@@ -50,11 +60,12 @@ print-config: ## Print the composed config of EXP (with its sweep) without runni
 	$(PY) -m evictlab.run +experiment=$(EXP) --cfg all $(ARGS)
 
 sync: ## Upload offline W&B runs (needs a network and `wandb login`)
-	@ls -d outputs/wandb/offline-run-* >/dev/null 2>&1 || { echo "no offline W&B runs under outputs/wandb"; exit 0; }
-	$(VENV)/bin/wandb sync --include-offline outputs/wandb/offline-run-*
+	@if ls -d $(OUT)/wandb/offline-run-* >/dev/null 2>&1; then \
+		$(VENV)/bin/wandb sync --include-offline $(OUT)/wandb/offline-run-*; \
+	else echo "no offline W&B runs under $(OUT)/wandb"; fi
 
 bench: ## Engine speed/KV-memory benchmark vs the naive reference loop -> outputs/bench/latest.json
 	$(PY) benchmarks/bench_engine.py $(ARGS)
 
 clean-cache: ## Delete cached tokens and checkpoints under outputs/
-	rm -rf outputs/cache outputs/checkpoints
+	rm -rf $(OUT)/cache $(OUT)/checkpoints

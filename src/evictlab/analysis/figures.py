@@ -1,0 +1,247 @@
+"""Figures as pure functions: tidy frames in, a matplotlib Figure out. One theme, one policy order and
+colour everywhere. Confidence intervals: 95% bootstrap over (seed, stream) units.
+"""
+
+from __future__ import annotations
+
+import matplotlib
+
+matplotlib.use("Agg")
+
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+import pandas as pd  # noqa: E402
+import seaborn as sns  # noqa: E402
+from matplotlib.figure import Figure  # noqa: E402
+
+POLICY_ORDER = [
+    "full", "window", "streaming_llm", "recompute_window", "h2o", "tova", "scissorhands", "l2norm", "random",
+    "oracle",
+]  # fmt: skip
+_PALETTE = sns.color_palette("tab10", len(POLICY_ORDER))
+COLORS = dict(zip(POLICY_ORDER, _PALETTE, strict=True))
+LABELS = {
+    "oracle": "oracle (non-causal)",
+    "streaming_llm": "StreamingLLM",
+    "recompute_window": "window+recompute",
+}
+
+
+def theme() -> None:
+    sns.set_theme(context="paper", style="whitegrid", font_scale=1.1)
+
+
+def ordered(names) -> list[str]:
+    names = list(dict.fromkeys(names))
+    known = [p for p in POLICY_ORDER if p in names]
+    return known + sorted(n for n in names if n not in POLICY_ORDER)
+
+
+def color(name: str):
+    return COLORS.get(name, "0.3")
+
+
+def label(name: str) -> str:
+    return LABELS.get(name, name)
+
+
+def bootstrap_ci(
+    values: np.ndarray, stat=np.mean, n_boot: int = 2000, seed: int = 0, level: float = 0.95
+) -> tuple[float, float, float]:
+    """(point, low, high) of stat over resampled units."""
+    values = np.asarray(values, dtype=float)
+    point = float(stat(values))
+    if len(values) < 2:
+        return point, point, point
+    rng = np.random.default_rng(seed)
+    idx = rng.integers(0, len(values), size=(n_boot, len(values)))
+    boots = np.apply_along_axis(stat, 1, values[idx])
+    lo, hi = np.quantile(boots, [(1 - level) / 2, 1 - (1 - level) / 2])
+    return point, float(min(lo, point)), float(max(hi, point))
+
+
+def summarize_streams(streams: pd.DataFrame, column: str, transform=None) -> pd.DataFrame:
+    """Per (strategy, budget, position_mode): point estimate and 95% CI of mean(column) over
+    (seed, stream) units, optionally transformed (exp for perplexity)."""
+    rows = []
+    keys = ["strategy", "budget", "position_mode"]
+    for key, g in streams.groupby(keys, dropna=False):
+        point, lo, hi = bootstrap_ci(g[column].to_numpy())
+        if transform is not None:
+            point, lo, hi = transform(point), transform(lo), transform(hi)
+        rows.append(dict(zip(keys, key, strict=True)) | {"point": point, "low": lo, "high": hi, "n": len(g)})
+    return pd.DataFrame(rows)
+
+
+def _log_y(ax) -> None:
+    """Log y axis with plain numbers (2.5, 3, 4) instead of 10^x labels."""
+    from matplotlib.ticker import FormatStrFormatter
+
+    ax.set_yscale("log")
+    ax.yaxis.set_major_formatter(FormatStrFormatter("%.3g"))
+    ax.yaxis.set_minor_formatter(FormatStrFormatter("%.3g"))
+    ax.tick_params(axis="y", which="minor", labelsize=7)
+
+
+def _budget_axis(ax, budgets) -> None:
+    ax.set_xscale("log", base=2)
+    ticks = sorted(set(int(b) for b in budgets))
+    ax.set_xticks(ticks)
+    ax.set_xticklabels([str(t) for t in ticks])
+    ax.set_xlabel("KV budget (entries per layer)")
+
+
+def metric_vs_budget(
+    streams: pd.DataFrame, column: str, ylabel: str, *, transform=None, title: str = "",
+    mode: str = "original", log_y: bool = False,
+) -> Figure:  # fmt: skip
+    """A line per policy with its 95% CI band; the full cache as a horizontal reference."""
+    theme()
+    s = summarize_streams(streams[streams["position_mode"] == mode], column, transform)
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    budgets = s.loc[s["strategy"] != "full", "budget"]
+    for name in ordered(s["strategy"]):
+        g = s[s["strategy"] == name].sort_values("budget")
+        if name == "full":
+            ref = g.iloc[0]
+            ax.axhline(ref["point"], color=color(name), ls="--", lw=1.2, label=f"{label(name)} cache")
+            ax.axhspan(ref["low"], ref["high"], color=color(name), alpha=0.12)
+            continue
+        ax.plot(g["budget"], g["point"], marker="o", ms=4, color=color(name), label=label(name))
+        ax.fill_between(g["budget"], g["low"], g["high"], color=color(name), alpha=0.15)
+    if len(budgets):
+        _budget_axis(ax, budgets)
+    if log_y:
+        _log_y(ax)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title or f"{ylabel} vs budget ({mode} positions, 95% CI)")
+    ax.legend(fontsize=8, ncol=2, frameon=True)
+    fig.tight_layout()
+    return fig
+
+
+def ppl_vs_budget(streams: pd.DataFrame, mode: str = "original") -> Figure:
+    return metric_vs_budget(streams, "nll", "perplexity", transform=np.exp, mode=mode, log_y=True)
+
+
+def kl_vs_budget(streams: pd.DataFrame, mode: str = "original") -> Figure:
+    return metric_vs_budget(streams, "kl", "KL(p_full || p_policy) [nats]", mode=mode, log_y=False)
+
+
+def agreement_vs_budget(streams: pd.DataFrame, mode: str = "original") -> Figure:
+    return metric_vs_budget(streams, "agree", "top-1 agreement with the full cache", mode=mode)
+
+
+def nll_vs_position(curves: pd.DataFrame, budget: int, mode: str = "original") -> Figure:
+    """Mean NLL by token position (log x) per policy at one budget: the StreamingLLM figure."""
+    theme()
+    c = curves[
+        (curves["position_mode"] == mode) & ((curves["budget"] == budget) | (curves["strategy"] == "full"))
+    ]
+    c = c.groupby(["strategy", "position"], as_index=False)["nll"].mean()
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    for name in ordered(c["strategy"]):
+        g = c[c["strategy"] == name].sort_values("position")
+        ax.plot(
+            g["position"], g["nll"], color=color(name), label=label(name), ls="--" if name == "full" else "-"
+        )
+    ax.axvline(budget, color="0.5", lw=0.8, ls=":")
+    ax.set_xscale("log")
+    ax.set_xlabel("token position in the stream")
+    ax.set_ylabel("NLL [nats]")
+    ax.set_title(f"NLL by position, budget {budget} ({mode} positions)")
+    ax.legend(fontsize=8, ncol=2)
+    fig.tight_layout()
+    return fig
+
+
+def quality_vs_memory(runs: pd.DataFrame, mode: str = "original") -> Figure:
+    """Perplexity against KV bytes held per sequence: the Pareto view (means over seeds)."""
+    theme()
+    r = (
+        runs[runs["position_mode"] == mode]
+        .groupby(["strategy", "budget"], as_index=False)[["kv_bytes", "ppl"]]
+        .mean()
+    )
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    for name in ordered(r["strategy"]):
+        g = r[r["strategy"] == name].sort_values("kv_bytes")
+        ax.plot(g["kv_bytes"] / 1024, g["ppl"], marker="o", ms=4, color=color(name), label=label(name),
+                ls="none" if name == "full" else "-")  # fmt: skip
+    pts = r.sort_values("kv_bytes")
+    front = pts[pts["ppl"] <= pts["ppl"].cummin()]
+    ax.step(
+        front["kv_bytes"] / 1024,
+        front["ppl"],
+        where="post",
+        color="k",
+        lw=0.8,
+        alpha=0.5,
+        label="Pareto front",
+    )
+    ax.set_xscale("log")
+    _log_y(ax)
+    ax.set_xlabel("KV cache held per sequence [KiB]")
+    ax.set_ylabel("perplexity")
+    ax.set_title(f"Quality vs KV memory ({mode} positions)")
+    ax.legend(fontsize=8, ncol=2)
+    fig.tight_layout()
+    return fig
+
+
+def throughput(runs: pd.DataFrame) -> Figure:
+    """Token-steps per second per policy (log scale) and the share of step time inside the policy."""
+    theme()
+    r = runs.groupby("strategy", as_index=False)[["token_steps_per_s", "policy_time_share"]].median()
+    names = ordered(r["strategy"])
+    r = r.set_index("strategy").loc[names].reset_index()
+    fig, axes = plt.subplots(1, 2, figsize=(9.6, 3.8))
+    axes[0].barh([label(n) for n in names], r["token_steps_per_s"], color=[color(n) for n in names])
+    axes[0].set_xscale("log")
+    axes[0].set_xlabel("token-steps / s (median over runs)")
+    axes[1].barh([label(n) for n in names], 100 * r["policy_time_share"], color=[color(n) for n in names])
+    axes[1].set_xlabel("% of step time in the policy")
+    axes[1].set_yticklabels([])
+    fig.suptitle("Speed and policy overhead")
+    fig.tight_layout()
+    return fig
+
+
+def sink_mass(runs: pd.DataFrame) -> Figure:
+    """Full-cache attention on the first 4 positions, per layer (are there attention sinks?)."""
+    theme()
+    cols = sorted((c for c in runs if c.startswith("sink_mass_per_layer[")), key=lambda c: int(c[20:-1]))
+    vals = runs[cols].mean()
+    fig, ax = plt.subplots(figsize=(5.2, 3.6))
+    ax.bar([f"L{int(c[20:-1])}" for c in cols], 100 * vals.to_numpy(), color="0.4")
+    ax.set_ylabel("% attention on positions 0-3")
+    ax.set_xlabel("layer")
+    ax.set_title("Attention mass on the first positions (full cache)")
+    fig.tight_layout()
+    return fig
+
+
+def position_modes(streams: pd.DataFrame) -> Figure:
+    """`original` vs `cache` positions side by side, per policy and budget (perplexity, 95% CI)."""
+    theme()
+    s = summarize_streams(streams[streams["strategy"] != "full"], "nll", np.exp)
+    budgets = sorted(s["budget"].unique())
+    fig, axes = plt.subplots(1, len(budgets), figsize=(4.2 * len(budgets), 3.8), sharey=True, squeeze=False)
+    for ax, b in zip(axes[0], budgets, strict=True):
+        g = s[s["budget"] == b]
+        names = ordered(g["strategy"])
+        x = np.arange(len(names))
+        for k, (mode, hatch) in enumerate((("original", ""), ("cache", "//"))):
+            m = g[g["position_mode"] == mode].set_index("strategy").reindex(names)
+            err = np.vstack([m["point"] - m["low"], m["high"] - m["point"]])
+            ax.bar(x + (k - 0.5) * 0.4, m["point"], 0.4, yerr=err, color=[color(n) for n in names],
+                   hatch=hatch, edgecolor="k", lw=0.5, label=mode)  # fmt: skip
+        ax.set_xticks(x)
+        ax.set_xticklabels([label(n) for n in names], rotation=40, ha="right")
+        ax.set_title(f"budget {b}")
+        _log_y(ax)
+    axes[0][0].set_ylabel("perplexity")
+    axes[0][-1].legend(title="positions", fontsize=8)
+    fig.suptitle("Positions after eviction: original vs re-indexed (cache)")
+    fig.tight_layout()
+    return fig

@@ -1,0 +1,137 @@
+"""Draw every figure a sweep supports and write a self-contained HTML report.
+
+python -m evictlab.figures outputs/runs/default [--out outputs/figures/default] [--report PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import html
+import io
+import sys
+import time
+from pathlib import Path
+
+import matplotlib.pyplot as plt
+import numpy as np
+import pandas as pd
+from matplotlib.figure import Figure
+
+from evictlab.analysis import figures as F
+from evictlab.analysis.aggregate import aggregate, wide
+from evictlab.store import git_info, outputs_dir, write_atomic
+
+
+def build_figures(tables: dict[str, pd.DataFrame]) -> dict[str, Figure]:
+    """Every figure the tables support, by file stem."""
+    streams, curves, runs = tables["streams"], tables["curves"], wide(tables["results"])
+    figs: dict[str, Figure] = {}
+    if streams.empty:
+        return figs
+    modes = set(streams["position_mode"])
+    mode = "original" if "original" in modes else sorted(modes)[0]
+    figs["ppl_vs_budget"] = F.ppl_vs_budget(streams, mode)
+    if "kl" in streams:
+        figs["kl_vs_budget"] = F.kl_vs_budget(streams, mode)
+        figs["agreement_vs_budget"] = F.agreement_vs_budget(streams, mode)
+    budgets = sorted(set(streams.loc[streams["strategy"] != "full", "budget"]))
+    if budgets:
+        figs["nll_vs_position"] = F.nll_vs_position(curves, budgets[len(budgets) // 2], mode)
+    figs["quality_vs_memory"] = F.quality_vs_memory(runs, mode)
+    figs["throughput"] = F.throughput(runs)
+    if any(c.startswith("sink_mass_per_layer[") for c in runs):
+        figs["sink_mass"] = F.sink_mass(runs)
+    if {"original", "cache"} <= modes:
+        figs["position_modes"] = F.position_modes(streams)
+    return figs
+
+
+def headline_table(tables: dict[str, pd.DataFrame]) -> pd.DataFrame:
+    """Per policy x budget x mode: perplexity with 95% CI, KL, agreement, KV KiB."""
+    streams, runs = tables["streams"], wide(tables["results"])
+    ppl = F.summarize_streams(streams, "nll", np.exp)
+    ppl["perplexity [95% CI]"] = [
+        f"{p:.3f} [{lo:.3f}, {hi:.3f}]" for p, lo, hi in ppl[["point", "low", "high"]].values
+    ]
+    keys = ["strategy", "budget", "position_mode"]
+    extra = runs.groupby(keys, as_index=False)[
+        [c for c in ("kl_mean", "agreement", "kv_bytes") if c in runs]
+    ].mean()
+    t = ppl[[*keys, "perplexity [95% CI]", "n"]].merge(extra, on=keys, how="left")
+    t["kv_KiB"] = t.pop("kv_bytes") / 1024
+    t["order"] = t["strategy"].map({n: i for i, n in enumerate(F.POLICY_ORDER)}).fillna(99)
+    t = t.sort_values(["position_mode", "order", "budget"]).drop(columns="order")
+    t["strategy"] = t["strategy"].map(F.label)
+    return t.rename(columns={"n": "units (seed x stream)"})
+
+
+def _png_b64(fig: Figure) -> str:
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110)
+    return base64.b64encode(buf.getvalue()).decode()
+
+
+def write_report(path: Path, tables: dict[str, pd.DataFrame], figs: dict[str, Figure], title: str) -> None:
+    g = git_info()
+    failures = tables["failures"]
+    parts = [
+        f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>",
+        "<style>body{font-family:sans-serif;max-width:1100px;margin:2em auto}table{border-collapse:collapse;"
+        "font-size:13px}td,th{border:1px solid #ccc;padding:3px 6px}img{max-width:100%}</style></head><body>",
+        f"<h1>{html.escape(title)}</h1>",
+        f"<p>Generated {time.strftime('%Y-%m-%d %H:%M')} from commit <code>{g['commit']}</code>"
+        f"{' (dirty)' if g['dirty'] else ''}. Runs: {tables['results']['run_key'].nunique()} ok, "
+        f"{len(failures)} failed or unfinished.</p>",
+    ]
+    if len(failures):
+        parts.append("<h2>Failed or unfinished runs</h2>" + failures.to_html(index=False))
+    parts.append(
+        "<h2>Headline numbers</h2>" + headline_table(tables).to_html(index=False, float_format="%.4g")
+    )
+    for name, fig in figs.items():
+        img = f"<img alt='{name}' src='data:image/png;base64,{_png_b64(fig)}'>"
+        parts.append(f"<h2 id='{name}'>{name.replace('_', ' ')}</h2>{img}")
+    cfg_cols = sorted(c for c in tables["results"] if c.startswith("cfg."))
+    if cfg_cols:
+        shared = tables["results"][cfg_cols].astype(str).nunique() == 1
+        common = tables["results"].iloc[0][[c for c in cfg_cols if shared[c]]]
+        parts.append("<h2>Configuration shared by every run</h2>" + common.to_frame("value").to_html())
+    parts.append("</body></html>")
+    text = "\n".join(parts)
+    write_atomic(path, lambda p: p.write_text(text))
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("sweeps", nargs="+", type=Path, help="sweep folders (outputs/runs/<group>)")
+    ap.add_argument("--out", type=Path, default=None, help="figure folder (default outputs/figures/<name>)")
+    ap.add_argument(
+        "--report", type=Path, default=None, help="HTML report (default outputs/report/index.html)"
+    )
+    args = ap.parse_args(argv)
+    missing = [s for s in args.sweeps if not s.is_dir()]
+    if missing:
+        print(f"error: no such sweep folder: {', '.join(map(str, missing))}", file=sys.stderr)
+        return 2
+    name = args.sweeps[0].name
+    tables = aggregate(args.sweeps, args.sweeps[0])
+    if tables["results"].empty:
+        print(f"error: no finished runs under {', '.join(map(str, args.sweeps))}", file=sys.stderr)
+        return 2
+    out = args.out or outputs_dir() / "figures" / name
+    out.mkdir(parents=True, exist_ok=True)
+    figs = build_figures(tables)
+    for stem, fig in figs.items():
+        for ext in ("png", "pdf"):
+            fig.savefig(out / f"{stem}.{ext}", dpi=150)
+    report = args.report or outputs_dir() / "report" / "index.html"
+    write_report(report, tables, figs, f"evictlab: {name}")
+    for fig in figs.values():
+        plt.close(fig)
+    print(f"{len(figs)} figures -> {out}; report -> {report}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

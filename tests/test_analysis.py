@@ -1,0 +1,176 @@
+"""Aggregation of a tiny real sweep, bootstrap CIs, every figure function, and the HTML report."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from evictlab import run as run_mod
+from evictlab.analysis import figures as F
+from evictlab.analysis.aggregate import aggregate, wide
+from evictlab.analysis.report import build_figures
+from evictlab.analysis.report import main as figures_main
+from tests.test_pipeline import cfg_for
+
+
+@pytest.fixture(scope="module")
+def sweep(tmp_path_factory) -> Path:
+    outputs = tmp_path_factory.mktemp("sweep") / "outputs"
+    for strategy in ("full", "window", "streaming_llm", "h2o"):
+        for budget in ("b16", "b32"):
+            for seed in (0, 1):
+                for mode in ("original", "cache"):
+                    cfg = cfg_for(outputs, f"strategy={strategy}", f"budget={budget}", f"seed={seed}",
+                                  f"eval.position_mode={mode}", "logger=none", "group=t")  # fmt: skip
+                    run_mod.run(cfg)
+    # one failed run and one that never finished
+    bad = cfg_for(outputs, "strategy=tova", "budget=b16", "logger=none", "group=t")
+    d = run_mod.run_dir(bad)
+    d.mkdir(parents=True)
+    (d / "config.yaml").write_text("strategy: {name: tova}\nbudget: {name: b16}\nseed: 0\n")
+    (d / "run_info.json").write_text("{}")
+    (d / "metrics.json").write_text(json.dumps({"status": "failed", "error": "RuntimeError: boom"}))
+    d2 = d.with_name("random-b16-unfinished")
+    d2.mkdir()
+    (d2 / "config.yaml").write_text("strategy: {name: random}\nbudget: {name: b16}\nseed: 0\n")
+    (d2 / "run_info.json").write_text("{}")
+    return outputs / "runs" / "t"
+
+
+def test_aggregate_tidy_tables_and_failures(sweep: Path):
+    t = aggregate([sweep], sweep)
+    res = t["results"]
+    # full ignores the budget: one run per seed x mode; the rest 3 x 2 budgets x 2 seeds x 2 modes
+    assert res["run_key"].nunique() == 2 * 2 + 3 * 2 * 2 * 2
+    assert {"metric", "value", "strategy", "budget", "seed", "position_mode", "cfg.model.name"} <= set(res)
+    assert set(res.loc[res["metric"] == "ppl", "strategy"]) == {"full", "window", "streaming_llm", "h2o"}
+    assert len(t["failures"]) == 2 and set(t["failures"]["status"]) == {"failed", "missing"}
+    assert "boom" in t["failures"].loc[t["failures"]["status"] == "failed", "error"].iloc[0]
+    assert (sweep / "results.parquet").exists() and (sweep / "failures.csv").exists()
+    again = aggregate([sweep], sweep)  # idempotent
+    pd.testing.assert_frame_equal(again["results"], pd.read_parquet(sweep / "results.parquet"))
+    w = wide(res)
+    assert len(w) == res["run_key"].nunique() and {"ppl", "kl_mean", "kv_bytes"} <= set(w)
+    assert (t["streams"].groupby("run_key").size() == 2).all()
+    c = t["curves"]
+    assert c["position"].min() >= 1 and c.groupby("run_key")["position_start"].is_monotonic_increasing.all()
+
+
+def test_bootstrap_ci_contains_the_point():
+    rng = np.random.default_rng(0)
+    for n in (2, 5, 40):
+        v = rng.normal(size=n)
+        point, lo, hi = F.bootstrap_ci(v)
+        assert lo <= point <= hi and point == pytest.approx(v.mean())
+    assert F.bootstrap_ci(np.array([3.0])) == (3.0, 3.0, 3.0)
+
+
+def synthetic_streams() -> pd.DataFrame:
+    rng = np.random.default_rng(1)
+    rows = []
+    for s in ("full", "window", "h2o", "oracle"):
+        for b in (16, 64, 256):
+            for mode in ("original", "cache"):
+                for seed in (0, 1):
+                    for stream in range(4):
+                        base = 1.0 + (0 if s == "full" else 4 / b)
+                        rows.append({
+                            "strategy": s, "budget": b, "position_mode": mode, "seed": seed, "stream": stream,
+                            "nll": base + rng.normal(0, 0.02), "kl": 0 if s == "full" else 2 / b,
+                            "agree": 1 - (0 if s == "full" else 1 / b),
+                        })  # fmt: skip
+    return pd.DataFrame(rows)
+
+
+def synthetic_runs() -> pd.DataFrame:
+    s = (
+        synthetic_streams()
+        .groupby(["strategy", "budget", "position_mode", "seed"], as_index=False)["nll"]
+        .mean()
+    )
+    s["ppl"] = np.exp(s["nll"])
+    s["kv_bytes"] = s["budget"] * 4096
+    s["token_steps_per_s"] = np.where(s["strategy"] == "h2o", 3000.0, 20000.0)
+    s["policy_time_share"] = np.where(s["strategy"] == "h2o", 0.2, 0.0)
+    for layer in range(4):
+        s[f"sink_mass_per_layer[{layer}]"] = 0.1 * layer
+    return s
+
+
+def synthetic_curves() -> pd.DataFrame:
+    rows = []
+    for s in ("full", "window", "h2o"):
+        for b in (16, 64):
+            for p in (1, 2, 4, 8, 16, 32, 64, 128):
+                rows.append({"strategy": s, "budget": b, "position_mode": "original", "position": p,
+                             "nll": 2 - 0.1 * np.log(p) + (0 if s == "full" else 0.01 * p / b)})  # fmt: skip
+    return pd.DataFrame(rows)
+
+
+FIGS = [
+    (
+        "ppl_vs_budget",
+        lambda: F.ppl_vs_budget(synthetic_streams()),
+        "KV budget (entries per layer)",
+        "perplexity",
+    ),
+    ("kl_vs_budget", lambda: F.kl_vs_budget(synthetic_streams()), "KV budget (entries per layer)", "KL"),
+    (
+        "agreement",
+        lambda: F.agreement_vs_budget(synthetic_streams()),
+        "KV budget (entries per layer)",
+        "agreement",
+    ),
+    ("nll_vs_position", lambda: F.nll_vs_position(synthetic_curves(), 16), "token position", "NLL"),
+    ("quality_vs_memory", lambda: F.quality_vs_memory(synthetic_runs()), "KV cache held", "perplexity"),
+    ("throughput", lambda: F.throughput(synthetic_runs()), "token-steps / s", ""),
+    ("sink_mass", lambda: F.sink_mass(synthetic_runs()), "layer", "% attention"),
+    ("position_modes", lambda: F.position_modes(synthetic_streams()), "", "perplexity"),
+]
+
+
+@pytest.mark.parametrize("name, make, xlabel, ylabel", FIGS, ids=[f[0] for f in FIGS])
+def test_figure_functions(name, make, xlabel, ylabel, tmp_path: Path):
+    import matplotlib.pyplot as plt
+
+    fig = make()
+    ax = fig.axes[0]
+    assert xlabel in ax.get_xlabel() and ylabel in ax.get_ylabel()
+    assert ax.has_data()
+    legend_texts = [t.get_text() for a in fig.axes if a.get_legend() for t in a.get_legend().get_texts()]
+    if name in ("ppl_vs_budget", "kl_vs_budget"):
+        assert "full cache" in legend_texts and "oracle (non-causal)" in legend_texts
+    for ext in ("png", "pdf"):
+        fig.savefig(tmp_path / f"{name}.{ext}")
+        assert (tmp_path / f"{name}.{ext}").stat().st_size > 1000
+    plt.close(fig)
+
+
+def test_policy_colours_are_fixed():
+    assert F.ordered(["oracle", "zzz", "window", "full"]) == ["full", "window", "oracle", "zzz"]
+    assert F.color("h2o") == F.COLORS["h2o"] and len(set(map(tuple, F.COLORS.values()))) == len(F.COLORS)
+
+
+def test_report_references_every_figure(sweep: Path, tmp_path: Path):
+    out, report = tmp_path / "figs", tmp_path / "report" / "index.html"
+    assert figures_main([str(sweep), "--out", str(out), "--report", str(report)]) == 0
+    html = report.read_text()
+    figs = build_figures(aggregate([sweep]))
+    assert {"ppl_vs_budget", "position_modes", "nll_vs_position", "sink_mass"} <= set(figs)
+    for stem in figs:
+        assert (out / f"{stem}.png").exists() and (out / f"{stem}.pdf").exists()
+        assert f"id='{stem}'" in html and f"alt='{stem}'" in html
+    assert html.count("data:image/png;base64,") == len(figs)
+    assert "Failed or unfinished runs" in html and "boom" in html
+    assert "StreamingLLM" in html and "perplexity [95% CI]" in html
+
+
+def test_figures_cli_bad_input(tmp_path: Path, capsys):
+    assert figures_main([str(tmp_path / "nope")]) == 2
+    assert "no such sweep folder" in capsys.readouterr().err
+    (tmp_path / "empty").mkdir()
+    assert figures_main([str(tmp_path / "empty")]) == 2
