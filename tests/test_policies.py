@@ -185,3 +185,25 @@ def test_h2o_matches_brute_force_on_a_hand_made_attention_pattern():
     # The early heavy hitters survive; 11 does not: position 0 collected attention over more steps
     # (H2O's known bias toward old entries), and the brute force agrees step by step.
     assert set(pos[0, 0].tolist()) == {0, 2, 5, 27, 28, 29}
+
+
+def test_readme_add_a_policy_example_works(setup):
+    """The one-file policy in README.md registers and passes the core invariants."""
+    import re
+
+    from evictlab.cache import policies as registry
+    from evictlab.store import REPO_ROOT
+
+    readme = (REPO_ROOT / "README.md").read_text()
+    code = re.search(r"```python\n(# src/evictlab/cache/policies/keep_first.py.*?)```", readme, re.S).group(1)
+    namespace: dict = {}
+    try:
+        exec(compile(code, "README-keep_first", "exec"), namespace)
+        assert "keep_first" in POLICIES
+        model, tokens, ref = setup
+        out = stream(model, tokens, make_policy("keep_first", n_recent=2), 10, reference=ref)
+        nll, kept = reference_stream(model, tokens[0], make_policy("keep_first", n_recent=2), 10)
+        assert (nll - out.nll[0]).abs().max() <= 1e-10
+        assert kept[0][0, 0].tolist() == [*range(8), 37, 38]  # the first entries and the 2 most recent
+    finally:
+        registry.POLICIES.pop("keep_first", None)
