@@ -33,8 +33,8 @@ CONF_DIR = REPO_ROOT / "conf"
 @dataclass
 class TrainConfig:
     steps: int = 1100
-    batch_size: int = 32
-    seq_len: int = 256  # tokens per training sample, the <bos> (and <sink>) prefix included
+    batch_size: int = 16
+    seq_len: int = 512  # tokens per training sample, the <bos> (and <sink>) prefix included
     lr: float = 3e-3
     min_lr: float = 3e-4  # cosine decay floor
     warmup_steps: int = 100

@@ -168,6 +168,19 @@ def full_reference(
 # ------------------------------------------------------------------------------------ parallel path
 
 
+def _static_output(logits, tgt, budgets, keeps, ref, path: str) -> StreamOutput:
+    """Per-token outputs of a path whose held entries follow a static keep mask per layer."""
+    logp = F.log_softmax(logits, dim=-1)
+    nll = -logp.gather(-1, tgt[..., None])[..., 0]
+    kl, agree = _metrics_vs_full(logp, ref)
+    lost = None
+    if ref is not None and ref.attn is not None:
+        lost = torch.stack([1 - (a * k).sum(-1).mean(1) for a, k in zip(ref.attn, keeps, strict=True)], -1)
+    steps = torch.arange(1, tgt.shape[1] + 1, device=tgt.device)
+    occupancy = torch.stack([steps.clamp(max=b) for b in budgets], dim=-1)
+    return StreamOutput(nll, occupancy, path, budgets, kl, agree, lost)
+
+
 def parallel_ok(policy: Policy, mode: PositionMode) -> bool:
     if policy.recompute or policy.static_keep(1, 1, torch.device("cpu")) is None:
         return False
@@ -191,17 +204,7 @@ def _stream_parallel(model, tokens, policy, budgets, ref) -> StreamOutput:
     x = model.embed(inp, pos)
     for block, keep in zip(model.blocks, keeps, strict=True):
         x = block(x, attn=make_attn(block.attn, keep))
-    logp = F.log_softmax(model.head(x), dim=-1)
-    nll = -logp.gather(-1, tgt[..., None])[..., 0]
-    kl, agree = _metrics_vs_full(logp, ref)
-    lost = None
-    if ref is not None and ref.attn is not None:
-        lost = torch.stack(
-            [1 - (a * keep).sum(-1).mean(1) for a, keep in zip(ref.attn, keeps, strict=True)], -1
-        )
-    steps = torch.arange(1, n + 1, device=tokens.device)
-    occupancy = torch.stack([steps.clamp(max=b) for b in budgets], dim=-1)
-    return StreamOutput(nll, occupancy, "parallel", budgets, kl, agree, lost)
+    return _static_output(model.head(x), tgt, budgets, keeps, ref, "parallel")
 
 
 # ----------------------------------------------------------------------------------- recompute path
@@ -242,16 +245,8 @@ def _stream_recompute(model, tokens, budgets, mode, ref, chunk_rows: int = 2048)
         for block in model.blocks:
             x = block(x, attn=make_attn(block.attn))
         logits_rows.append(model.head(x[:, -1]))
-    logp = F.log_softmax(torch.cat(logits_rows).view(B, n, -1), dim=-1)
-    nll = -logp.gather(-1, tgt[..., None])[..., 0]
-    kl, agree = _metrics_vs_full(logp, ref)
-    lost = None
-    if ref is not None and ref.attn is not None:
-        keep = Window().static_keep(n, W - 1, device)
-        lost = torch.stack([1 - (a * keep).sum(-1).mean(1) for a in ref.attn], -1)
-    steps = torch.arange(1, n + 1, device=device)
-    occupancy = torch.stack([steps.clamp(max=b) for b in budgets], dim=-1)
-    return StreamOutput(nll, occupancy, "recompute", budgets, kl, agree, lost)
+    keeps = [Window().static_keep(n, b, device) for b in budgets]  # the tokens each window holds
+    return _static_output(torch.cat(logits_rows).view(B, n, -1), tgt, budgets, keeps, ref, "recompute")
 
 
 # ---------------------------------------------------------------------------------------- token loop
