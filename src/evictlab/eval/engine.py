@@ -211,42 +211,39 @@ def _stream_parallel(model, tokens, policy, budgets, ref) -> StreamOutput:
 
 
 @torch.no_grad()
-def _stream_recompute(model, tokens, budgets, mode, ref, chunk_rows: int = 2048) -> StreamOutput:
+def _stream_recompute(model, tokens, budgets, mode, ref, chunk_tokens: int = 2048) -> StreamOutput:
+    """Window of the last W = budget + 1 tokens, re-encoded for every prediction.
+
+    While t < W the window is the whole prefix 0..t at positions 0..t in both modes, i.e. the full
+    cache: one causal forward covers those steps. Every later step is a full window of W tokens; all
+    of them run as batched causal forwards (no padding, so the fused causal kernel applies), in chunks
+    of about `chunk_tokens` tokens: larger chunks fall out of the CPU caches and run slower.
+    """
     if len(set(budgets)) != 1:
         raise ConfigError("recompute_window re-encodes one window for all layers: use allocation=uniform")
     W = budgets[0] + 1  # budget kept entries + the token itself
     inp, tgt = tokens[:, :-1], tokens[:, 1:]
     B, n = inp.shape
-    device = tokens.device
-    padded = F.pad(inp, (W - 1, 0), value=0)
-    windows = padded.unfold(1, W, 1).reshape(B * n, W)  # row (b, t) holds tokens t-W+1 .. t
-    t_of_row = torch.arange(n, device=device).repeat(B)
-    k = torch.arange(W, device=device)
-    logits_rows = []
-    for r0 in range(0, B * n, chunk_rows):
-        win, t = windows[r0 : r0 + chunk_rows], t_of_row[r0 : r0 + chunk_rows, None]
-        text_pos = t - (W - 1) + k  # [rows, W] text positions; < 0 means padding
-        valid = text_pos >= 0
-        if mode is PositionMode.cache:  # re-encoded from position 0
-            p = (k - (W - 1 - t)).clamp(min=0)
-        else:
-            p = text_pos.clamp(min=0)
-        mask = valid[:, None, None, :] & torch.ones(W, W, dtype=torch.bool, device=device).tril()
-        x = model.embed(win, p)
-        rp = p[:, None, :]  # broadcast over heads
-
-        def make_attn(a, mask=mask, rp=rp):
-            def attn_fn(h):
-                q, kk, v = a.project(h)
-                return a.out(a.attend(a.rotate(q, rp), a.rotate(kk, rp), v, mask=mask))
-
-            return attn_fn
-
-        for block in model.blocks:
-            x = block(x, attn=make_attn(block.attn))
-        logits_rows.append(model.head(x[:, -1]))
-    keeps = [Window().static_keep(n, b, device) for b in budgets]  # the tokens each window holds
-    return _static_output(torch.cat(logits_rows).view(B, n, -1), tgt, budgets, keeps, ref, "recompute")
+    head = min(W, n)
+    parts = [model(inp[:, :head])]  # steps 0 .. head-1: the window is the prefix
+    if n > W:
+        windows = inp.unfold(1, W, 1)[:, 1:]  # [B, n-W, W]: window of step t = W .. n-1 starts at t-W+1
+        starts = torch.arange(1, n - W + 1, device=tokens.device)
+        rows, row_start = windows.reshape(-1, W), starts.repeat(B)
+        k = torch.arange(W, device=tokens.device)
+        tail, chunk_rows = [], max(1, chunk_tokens // W)
+        for r0 in range(0, rows.shape[0], chunk_rows):
+            win = rows[r0 : r0 + chunk_rows]
+            # cache mode: re-encoded from position 0; original: the window's text positions
+            pos = k if mode is PositionMode.cache else row_start[r0 : r0 + chunk_rows, None] + k
+            x = model.embed(win, pos)
+            rope_pos = pos if pos.dim() == 1 else pos[:, None, :]  # broadcast over heads
+            for block in model.blocks:
+                x = block(x, rope_pos)
+            tail.append(model.head(x[:, -1]))
+        parts.append(torch.cat(tail).view(B, n - W, -1))
+    keeps = [Window().static_keep(n, b, tokens.device) for b in budgets]  # the tokens each window holds
+    return _static_output(torch.cat(parts, dim=1), tgt, budgets, keeps, ref, "recompute")
 
 
 # ---------------------------------------------------------------------------------------- token loop
