@@ -111,6 +111,12 @@ def synthetic_curves() -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+def synthetic_attention() -> pd.DataFrame:
+    rows = [{"layer": layer, "key_position": j, "attention": (0.5 if j == 0 else 0.01) / (1 + layer)}
+            for layer in range(3) for j in range(200)]  # fmt: skip
+    return pd.DataFrame(rows)
+
+
 FIGS = [
     (
         "ppl_vs_budget",
@@ -130,6 +136,7 @@ FIGS = [
     ("throughput", lambda: F.throughput(synthetic_runs()), "token-steps / s", ""),
     ("sink_mass", lambda: F.sink_mass(synthetic_runs()), "layer", "% attention"),
     ("position_modes", lambda: F.position_modes(synthetic_streams()), "", "perplexity"),
+    ("attention_heatmap", lambda: F.attention_heatmap(synthetic_attention()), "key position", "layer"),
 ]
 
 
@@ -160,7 +167,8 @@ def test_report_references_every_figure(sweep: Path, tmp_path: Path):
     assert figures_main([str(sweep), "--out", str(out), "--report", str(report)]) == 0
     html = report.read_text()
     figs = build_figures(aggregate([sweep]))
-    assert {"ppl_vs_budget", "position_modes", "nll_vs_position", "sink_mass"} <= set(figs)
+    expected = {"ppl_vs_budget", "position_modes", "nll_vs_position", "sink_mass", "attention_heatmap"}
+    assert expected <= set(figs)
     for stem in figs:
         assert (out / f"{stem}.png").exists() and (out / f"{stem}.pdf").exists()
         assert f"id='{stem}'" in html and f"alt='{stem}'" in html

@@ -40,15 +40,14 @@ def test_run_writes_its_files_and_resumes(outputs: Path):
     metrics = run_mod.run(cfg)
     d = run_mod.run_dir(cfg)
     assert d.name.startswith("h2o-b16-") and d.parent.name == "adhoc"
-    assert {p.name for p in d.iterdir()} == {
-        "config.yaml",
-        "run_info.json",
-        "per_token.parquet",
-        "metrics.json",
-    }
+    files = {p.name for p in d.iterdir()}
+    assert files == {"config.yaml", "run_info.json", "per_token.parquet", "attention.parquet", "metrics.json"}
     assert metrics["status"] == "ok" and metrics["run_key"] == run_mod.run_key(cfg)
     frame = pd.read_parquet(d / "per_token.parquet")
     assert len(frame) == 2 * 95 and {"stream", "position", "nll", "kl", "agree", "lost_mean"} <= set(frame)
+    attn = pd.read_parquet(d / "attention.parquet")
+    assert len(attn) == 2 * 95 and attn["layer"].nunique() == 2  # gpt_tiny: 2 layers x 95 key positions
+    assert (attn["attention"] > 0).all() and attn.loc[attn["key_position"] == 94, "attention"].notna().all()
     info = json.loads((d / "run_info.json").read_text())
     assert {"git", "packages", "host", "slurm_job_id"} <= set(info)
     mtime = (d / "metrics.json").stat().st_mtime_ns

@@ -32,7 +32,7 @@ CONF_DIR = REPO_ROOT / "conf"
 
 @dataclass
 class TrainConfig:
-    steps: int = 1100
+    steps: int = 800
     batch_size: int = 16
     seq_len: int = 512  # tokens per training sample, the <bos> (and <sink>) prefix included
     lr: float = 3e-3

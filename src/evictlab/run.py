@@ -176,6 +176,11 @@ def _evaluate(cfg: Config, key: str, out: Path) -> dict[str, Any]:
     )  # fmt: skip
     frame = per_token_frame(res.per_token)
     write_atomic(out / "per_token.parquet", lambda p: frame.to_parquet(p, index=False))
+    if res.attention_by_key is not None:
+        L, n = res.attention_by_key.shape
+        attn = pd.DataFrame({"layer": np.repeat(np.arange(L), n), "key_position": np.tile(np.arange(n), L),
+                             "attention": res.attention_by_key.reshape(-1)})  # fmt: skip
+        write_atomic(out / "attention.parquet", lambda p: attn.to_parquet(p, index=False))
     metrics = {
         "status": "ok",
         "run_key": key,

@@ -245,3 +245,28 @@ def position_modes(streams: pd.DataFrame) -> Figure:
     fig.suptitle("Positions after eviction: original vs re-indexed (cache)")
     fig.tight_layout()
     return fig
+
+
+def attention_heatmap(attention: pd.DataFrame) -> Figure:
+    """Mean full-cache attention by key position (log-spaced buckets) and layer: are there sinks?"""
+    from matplotlib.colors import LogNorm
+
+    theme()
+    a = attention.groupby(["layer", "key_position"], as_index=False)["attention"].mean()
+    n = int(a["key_position"].max()) + 1
+    edges = np.unique(np.round(np.geomspace(1, n + 1, num=24)).astype(int)) - 1  # start at position 0
+    a["bucket"] = np.searchsorted(edges, a["key_position"].to_numpy(), side="right") - 1
+    grid = a.pivot_table(index="layer", columns="bucket", values="attention", aggfunc="mean")
+    ends = np.append(edges[1:] - 1, n - 1)  # last position of each bucket
+    labels = [str(edges[b]) if ends[b] == edges[b] else f"{edges[b]}-{ends[b]}" for b in grid.columns]
+    fig, ax = plt.subplots(figsize=(8.8, 0.7 * len(grid) + 1.8))
+    positive = grid.to_numpy()[grid.to_numpy() > 0]
+    norm = LogNorm(vmin=max(positive.min(), 1e-5), vmax=positive.max()) if positive.size else None
+    sns.heatmap(grid, ax=ax, cmap="magma", norm=norm, cbar_kws={"label": "mean attention received"},
+                xticklabels=labels, yticklabels=[f"L{i}" for i in grid.index])  # fmt: skip
+    ax.set_xlabel("key position")
+    ax.set_ylabel("layer")
+    ax.set_title("Where the model attends (full cache; uniform would be 1/(query position + 1))")
+    plt.setp(ax.get_xticklabels(), rotation=45, ha="right", fontsize=7)
+    fig.tight_layout()
+    return fig

@@ -46,6 +46,15 @@ class FullReference:
     attn: list[torch.Tensor] | None  # per layer [B, H, n, n]: query step i's attention on key j
     future: list[torch.Tensor] | None = None  # per layer [B, Hkv, n, n]: attention on key j from steps > i
 
+    def attention_by_key(self) -> torch.Tensor | None:
+        """[L, n]: mean attention each key position receives from the queries that can see it
+        (averaged over documents, heads and later queries): where does the model attend?"""
+        if self.attn is None:
+            return None
+        B, H, n, _ = self.attn[0].shape
+        seen = B * H * torch.arange(n, 0, -1, device=self.attn[0].device, dtype=self.attn[0].dtype)
+        return torch.stack([a.sum(dim=(0, 1, 2)) / seen for a in self.attn])
+
     @property
     def sink_mass(self) -> torch.Tensor | None:
         """[B, n, L]: attention on the first N_SINK_DIAG positions, mean over heads."""

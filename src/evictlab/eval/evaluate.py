@@ -83,6 +83,7 @@ class EvalResult:
     per_token: dict[str, np.ndarray]  # name -> [N, n] (or [N, n, L]) arrays
     summary: dict[str, float | int | str | bool | list]
     references: list[FullReference] = field(default_factory=list, repr=False)  # reusable per batch
+    attention_by_key: np.ndarray | None = None  # [L, n] full-cache attention by key position
 
 
 def evaluate(
@@ -194,4 +195,10 @@ def evaluate(
         summary["attention_lost_per_layer"] = per_token["lost"].mean(axis=(0, 1)).tolist()
     if "sink_mass" in per_token:
         summary["sink_mass_per_layer"] = per_token["sink_mass"].mean(axis=(0, 1)).tolist()
-    return EvalResult(per_token, summary, refs)
+    by_key = [r.attention_by_key() for r in refs]
+    attention_by_key = None
+    if by_key and by_key[0] is not None:  # weight each batch by its number of streams
+        w = torch.tensor([float(r.logp.shape[0]) for r in refs])
+        stacked = torch.stack([b.float().cpu() for b in by_key])
+        attention_by_key = ((stacked * w[:, None, None]).sum(0) / w.sum()).numpy()
+    return EvalResult(per_token, summary, refs, attention_by_key)
