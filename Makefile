@@ -9,7 +9,7 @@ LAUNCHER ?= local
 OUT ?= $(or $(EVICTLAB_OUTPUTS),outputs)
 
 .DEFAULT_GOAL := help
-.PHONY: help install test test-fast lint format train run sweep smoke aggregate figures print-config sync bench clean-cache
+.PHONY: help install test test-fast lint format train run sweep smoke paper aggregate figures report print-config sync bench clean-cache
 
 help: ## List every target with one line each
 	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z_-]+:.*## / {printf "  make %-12s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
@@ -47,10 +47,16 @@ sweep: ## Train (cached), run experiment EXP through LAUNCHER (local|submitit_lo
 	$(PY) -m evictlab.aggregate $(OUT)/runs/$(EXP)
 	$(PY) -m evictlab.figures $(OUT)/runs/$(EXP)
 
+paper: ## Re-run every experiments/<name>/ sweep, refresh its committed snapshot, redraw the paper figures
+	$(PY) -m evictlab.paper run --launcher $(LAUNCHER)
+
 aggregate: ## Collect a sweep's runs into results.parquet (+ failures.csv): make aggregate EXP=default
 	$(PY) -m evictlab.aggregate $(OUT)/runs/$(EXP)
 
-figures: ## Figures + HTML report from a sweep's results (no training, no eval): make figures EXP=default
+figures: ## Redraw every paper figure from the committed snapshots in experiments/ (seconds; no training/eval)
+	$(PY) -m evictlab.paper figures
+
+report: ## Figures + HTML report of a sweep's own results: make report EXP=default
 	$(PY) -m evictlab.figures $(OUT)/runs/$(EXP)
 
 smoke: ## A two-minute sweep on a tiny model (EXP=smoke)

@@ -42,7 +42,7 @@ from evictlab.store import (
 from evictlab.train import get_checkpoint
 
 log = logging.getLogger(__name__)
-RUN_FORMAT = 1
+RUN_FORMAT = 2  # 2: the full cache reports budget = scored stream length
 # Config that cannot change a run's numbers (where and how it is logged or shown) stays out of the key.
 NON_RESULT_KEYS = ("paths", "logger", "group")
 

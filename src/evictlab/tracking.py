@@ -14,32 +14,29 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from evictlab.config import Config, LoggerMode
-
-
-def _project(cfg: Config) -> str:
-    return cfg.logger.project or os.environ.get("WANDB_PROJECT") or "evictlab"
+from evictlab.config import Config, LoggerConfig, LoggerMode
 
 
 @contextmanager
 def wandb_run(
-    cfg: Config, *, job_type: str, run_id: str, name: str, tags: list[str], config: dict[str, Any]
-) -> Iterator[Any | None]:
+    logger: LoggerConfig, outputs: Path, group: str, *, job_type: str, run_id: str, name: str,
+    tags: list[str], config: dict[str, Any],
+) -> Iterator[Any | None]:  # fmt: skip
     """A W&B run (or None when disabled or unavailable), always finished when the block exits."""
-    if cfg.logger.mode is LoggerMode.disabled:
+    if logger.mode is LoggerMode.disabled:
         yield None
         return
     try:
         import wandb
 
         run = wandb.init(
-            mode=cfg.logger.mode.value,
-            project=_project(cfg),
-            entity=cfg.logger.entity or os.environ.get("WANDB_ENTITY") or None,
-            dir=str(cfg.outputs),
+            mode=logger.mode.value,
+            project=logger.project or os.environ.get("WANDB_PROJECT") or "evictlab",
+            entity=logger.entity or os.environ.get("WANDB_ENTITY") or None,
+            dir=str(outputs),
             id=run_id,
             name=name,
-            group=cfg.group,
+            group=group,
             job_type=job_type,
             tags=tags,
             config=config,
@@ -77,7 +74,8 @@ def log_training(cfg: Config, meta: dict[str, Any], checkpoint: Path) -> None:
     tags = [f"model:{cfg.model.name}", f"dataset:{cfg.dataset.name}"]
     config = {k: meta[k] for k in ("model", "train", "dataset", "tokenizer")}
     run_id, name = f"train-{meta['key']}", f"train {checkpoint.name}"
-    with wandb_run(cfg, job_type="train", run_id=run_id, name=name, tags=tags, config=config) as run:
+    with wandb_run(cfg.logger, cfg.outputs, cfg.group, job_type="train", run_id=run_id, name=name, tags=tags,
+                   config=config) as run:  # fmt: skip
         if run is None:
             return
         for row in meta["history"]:
@@ -103,7 +101,8 @@ def log_eval(cfg: Config, run_key: str, config: dict[str, Any], metrics: dict[st
         f"dataset:{cfg.dataset.name}", f"position_mode:{cfg.eval.position_mode.value}",
     ]  # fmt: skip
     name = f"{cfg.strategy.name} {cfg.budget.name} s{cfg.seed} {cfg.eval.position_mode.value}"
-    with wandb_run(cfg, job_type="eval", run_id=run_key, name=name, tags=tags, config=config) as run:
+    with wandb_run(cfg.logger, cfg.outputs, cfg.group, job_type="eval", run_id=run_key, name=name, tags=tags,
+                   config=config) as run:  # fmt: skip
         if run is None:
             return
         import wandb
@@ -116,3 +115,16 @@ def log_eval(cfg: Config, run_key: str, config: dict[str, Any], metrics: dict[st
                 "nll_curve": wandb.plot.line(table, "position", "nll", title="NLL by position"),
             }
         )
+
+
+def log_report(logger: LoggerConfig, outputs: Path, group: str, images: dict[str, Path], table) -> None:
+    """A job_type=report run in the sweep's group: the figures (PNG) and the headline table."""
+    run_id, name, tags = f"report-{group}", f"report {group}", [f"sweep:{group}"]
+    with wandb_run(logger, outputs, group, job_type="report", run_id=run_id, name=name, tags=tags,
+                   config={"group": group}) as run:  # fmt: skip
+        if run is None:
+            return
+        import wandb
+
+        run.log({f"figures/{name}": wandb.Image(str(path)) for name, path in images.items()})
+        run.log({"headline": wandb.Table(dataframe=table.astype(str))})

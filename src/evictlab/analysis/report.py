@@ -104,6 +104,19 @@ def write_report(path: Path, tables: dict[str, pd.DataFrame], figs: dict[str, Fi
     write_atomic(path, lambda p: p.write_text(text))
 
 
+def _log_to_wandb(tables: dict[str, pd.DataFrame], out: Path, figs: dict[str, Figure], group: str) -> None:
+    """Mirror the figures and the headline table to W&B with the sweep's own logger settings."""
+    from evictlab.config import LoggerConfig, LoggerMode
+    from evictlab.tracking import log_report
+
+    res = tables["results"]
+    mode = res["cfg.logger.mode"].iloc[0] if "cfg.logger.mode" in res else "disabled"
+    project = res["cfg.logger.project"].iloc[0] if "cfg.logger.project" in res else None
+    outputs = Path(res["cfg.paths.outputs"].iloc[0]) if "cfg.paths.outputs" in res else outputs_dir()
+    logger = LoggerConfig(mode=LoggerMode(mode), project=project if isinstance(project, str) else None)
+    log_report(logger, outputs, group, {stem: out / f"{stem}.png" for stem in figs}, headline_table(tables))
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("sweeps", nargs="+", type=Path, help="sweep folders (outputs/runs/<group>)")
@@ -111,6 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--report", type=Path, default=None, help="HTML report (default outputs/report/index.html)"
     )
+    ap.add_argument("--no-wandb", action="store_true", help="do not log the figures and table to W&B")
     args = ap.parse_args(argv)
     missing = [s for s in args.sweeps if not s.is_dir()]
     if missing:
@@ -129,6 +143,8 @@ def main(argv: list[str] | None = None) -> int:
             fig.savefig(out / f"{stem}.{ext}", dpi=150)
     report = args.report or outputs_dir() / "report" / "index.html"
     write_report(report, tables, figs, f"evictlab: {name}")
+    if not args.no_wandb:
+        _log_to_wandb(tables, out, figs, name)
     for fig in figs.values():
         plt.close(fig)
     print(f"{len(figs)} figures -> {out}; report -> {report}")

@@ -156,8 +156,8 @@ def evaluate(
         "strategy_label": policy.label,
         "non_causal": policy.needs_future,
         "strategy_params": policy.params(),
-        "budget": budget,
-        "budget_fraction": budget / n,
+        "budget": budget if policy.evicts else n,  # the full cache holds every scored position
+        "budget_fraction": (budget if policy.evicts else n) / n,
         "layer_budgets": o0.budgets,
         "position_mode": PositionMode(position_mode).value,
         "allocation": allocation,

@@ -1,0 +1,55 @@
+"""`make figures`: every experiments/<name>/ figure is redrawn from its committed snapshot."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from evictlab import paper
+
+
+def test_every_experiment_folder_is_complete():
+    folders = paper.experiment_folders()
+    assert {f.name for f in folders} >= {"streaming_quality", "position_modes"}
+    for folder in folders:
+        spec = paper.load_spec(folder)
+        assert (paper.REPO_ROOT / "conf" / "experiment" / f"{spec['experiment']}.yaml").exists()
+        assert (folder / "README.md").exists()
+        for table in ("results", "streams", "curves"):
+            assert (folder / "snapshot" / f"{table}.parquet").exists(), (folder.name, table)
+        assert sum(p.stat().st_size for p in (folder / "snapshot").iterdir()) < 2_000_000  # small
+
+
+def test_make_figures_redraws_every_paper_figure(tmp_path: Path):
+    assert paper.main(["figures", "--out", str(tmp_path)]) == 0
+    for folder in paper.experiment_folders():
+        for fig in paper.load_spec(folder)["figures"]:
+            stem = fig.get("file", fig["name"])
+            for ext in ("png", "pdf"):
+                f = tmp_path / folder.name / f"{stem}.{ext}"
+                assert f.exists() and f.stat().st_size > 5000, f
+
+
+def test_snapshots_are_real_sweeps():
+    """The snapshots hold finished runs of the experiment they claim (not hand-made numbers)."""
+    for folder in paper.experiment_folders():
+        spec = paper.load_spec(folder)
+        res = paper.load_snapshot(folder)["results"]
+        assert set(res["group"]) == {spec["experiment"]}
+        sweep = yaml.safe_load(
+            (paper.REPO_ROOT / "conf" / "experiment" / f"{spec['experiment']}.yaml").read_text()
+        )
+        strategies = set(sweep["hydra"]["sweeper"]["params"]["strategy"].split(","))
+        assert set(res["strategy"]) == strategies
+        assert res["run_key"].str.fullmatch(r"[0-9a-f]{16}").all()
+
+
+def test_bad_spec_and_unknown_folder(tmp_path: Path, monkeypatch, capsys):
+    (tmp_path / "x").mkdir()
+    (tmp_path / "x" / "figures.yaml").write_text("experiment: default\nfigures:\n  - {name: pie_chart}\n")
+    with pytest.raises(ValueError, match="unknown figure"):
+        paper.load_spec(tmp_path / "x")
+    assert paper.main(["figures", "--only", "nope"]) == 2
+    assert "no experiments" in capsys.readouterr().err
