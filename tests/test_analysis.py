@@ -38,6 +38,13 @@ def sweep(tmp_path_factory) -> Path:
     d2.mkdir()
     (d2 / "config.yaml").write_text("strategy: {name: random}\nbudget: {name: b16}\nseed: 0\n")
     (d2 / "run_info.json").write_text("{}")
+    # and a run written by an older run format: listed as stale, never mixed into the results
+    import shutil
+
+    ok = run_mod.run_dir(cfg_for(outputs, "strategy=window", "budget=b16", "logger=none", "group=t"))
+    old = shutil.copytree(ok, ok.with_name("window-b16-oldformat"))
+    m = json.loads((old / "metrics.json").read_text())
+    (old / "metrics.json").write_text(json.dumps(m | {"run_format": 1, "run_key": "0" * 16}))
     return outputs / "runs" / "t"
 
 
@@ -48,7 +55,7 @@ def test_aggregate_tidy_tables_and_failures(sweep: Path):
     assert res["run_key"].nunique() == 2 * 2 + 3 * 2 * 2 * 2
     assert {"metric", "value", "strategy", "budget", "seed", "position_mode", "cfg.model.name"} <= set(res)
     assert set(res.loc[res["metric"] == "ppl", "strategy"]) == {"full", "window", "streaming_llm", "h2o"}
-    assert len(t["failures"]) == 2 and set(t["failures"]["status"]) == {"failed", "missing"}
+    assert len(t["failures"]) == 3 and set(t["failures"]["status"]) == {"failed", "missing", "stale"}
     assert "boom" in t["failures"].loc[t["failures"]["status"] == "failed", "error"].iloc[0]
     assert (sweep / "results.parquet").exists() and (sweep / "failures.csv").exists()
     again = aggregate([sweep], sweep)  # idempotent

@@ -184,6 +184,7 @@ def _evaluate(cfg: Config, key: str, out: Path) -> dict[str, Any]:
     metrics = {
         "status": "ok",
         "run_key": key,
+        "run_format": RUN_FORMAT,
         "group": cfg.group,
         "model": cfg.model.name,
         "dataset": cfg.dataset.name,

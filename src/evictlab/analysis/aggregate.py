@@ -7,7 +7,8 @@ Writes into the (first) sweep dir, or --out:
   streams.parquet  one row per run x stream: mean NLL (and KL) of that stream (for bootstrap CIs)
   curves.parquet   one row per run x position bucket (log-spaced): mean NLL / KL / attention lost
   attention.parquet  full-cache runs: mean attention by layer x key position (where the model attends)
-  failures.csv     every run whose metrics.json is missing or says failed, with its error
+  failures.csv     every run whose metrics.json is missing or says failed, with its error, and every
+                   stale run (written by an older run format: its numbers may mean something else)
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import numpy as np
 import pandas as pd
 import yaml
 
+from evictlab.run import RUN_FORMAT
 from evictlab.store import read_json, write_atomic
 
 ID_COLUMNS = [
@@ -78,10 +80,13 @@ def aggregate(sweeps: list[Path], out: Path | None = None) -> dict[str, pd.DataF
     rows, stream_rows, curve_rows, attn_frames, failures = [], [], [], [], []
     for d in run_dirs(sweeps):
         metrics, cfg, pt = load_run(d)
-        if metrics is None or metrics.get("status") != "ok" or pt is None:
+        stale = (
+            metrics is not None and metrics.get("status") == "ok" and metrics.get("run_format") != RUN_FORMAT
+        )
+        if metrics is None or metrics.get("status") != "ok" or pt is None or stale:
             failures.append({
                 "run_dir": str(d),
-                "status": "missing" if metrics is None else metrics.get("status"),
+                "status": "missing" if metrics is None else "stale" if stale else metrics.get("status"),
                 "error": None if metrics is None else metrics.get("error"),
                 "strategy": cfg.get("cfg.strategy.name"), "budget_name": cfg.get("cfg.budget.name"),
                 "seed": cfg.get("cfg.seed"),
