@@ -189,3 +189,28 @@ def test_figures_cli_bad_input(tmp_path: Path, capsys):
     assert "no such sweep folder" in capsys.readouterr().err
     (tmp_path / "empty").mkdir()
     assert figures_main([str(tmp_path / "empty")]) == 2
+
+
+def test_report_figures_and_table_are_mirrored_to_wandb(sweep: Path, tmp_path: Path):
+    from tests.wandb_reader import read_run
+
+    out = tmp_path / "figs"
+    # the sweep fixture ran with logger=none; the same tables with offline logging write a report run
+    from evictlab.analysis.report import _log_to_wandb
+
+    tables = aggregate([sweep])
+    tables["results"] = tables["results"].assign(
+        **{"cfg.logger.mode": "offline", "cfg.paths.outputs": str(tmp_path)}
+    )
+    figs = build_figures(tables)
+    out.mkdir()
+    for stem, fig in figs.items():
+        fig.savefig(out / f"{stem}.png")
+    _log_to_wandb(tables, out, figs, "t")
+    files = list(tmp_path.glob("wandb/offline-run-*-report-t/run-report-t.wandb"))
+    assert len(files) == 1
+    wb = read_run(files[0])
+    assert wb["job_type"] == "report" and wb["group"] == "t"
+    logged = {k.split("/")[1] for h in wb["history"] for k in h if k.startswith("figures/")}
+    assert logged == set(figs)
+    assert any(k.startswith("headline") for h in wb["history"] for k in h)
