@@ -83,12 +83,21 @@ def _log_y(ax) -> None:
     ax.tick_params(axis="y", which="minor", labelsize=7)
 
 
+def _finish(fig: Figure, ax, xlabel: str, ylabel: str, title: str) -> Figure:
+    """Labels, a compact legend and a tight layout: the last lines of every single-axes figure."""
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.legend(fontsize=8, ncol=2)
+    fig.tight_layout()
+    return fig
+
+
 def _budget_axis(ax, budgets) -> None:
     ax.set_xscale("log", base=2)
     ticks = sorted(set(int(b) for b in budgets))
     ax.set_xticks(ticks)
     ax.set_xticklabels([str(t) for t in ticks])
-    ax.set_xlabel("KV budget (entries per layer)")
 
 
 def metric_vs_budget(
@@ -113,11 +122,8 @@ def metric_vs_budget(
         _budget_axis(ax, budgets)
     if log_y:
         _log_y(ax)
-    ax.set_ylabel(ylabel)
-    ax.set_title(title or f"{ylabel} vs budget ({mode} positions, 95% CI)")
-    ax.legend(fontsize=8, ncol=2, frameon=True)
-    fig.tight_layout()
-    return fig
+    title = title or f"{ylabel} vs budget ({mode} positions, 95% CI)"
+    return _finish(fig, ax, "KV budget (entries per layer)", ylabel, title)
 
 
 def ppl_vs_budget(streams: pd.DataFrame, mode: str = "original") -> Figure:
@@ -147,12 +153,8 @@ def nll_vs_position(curves: pd.DataFrame, budget: int, mode: str = "original") -
         )
     ax.axvline(budget, color="0.5", lw=0.8, ls=":")
     ax.set_xscale("log")
-    ax.set_xlabel("token position in the stream")
-    ax.set_ylabel("NLL [nats]")
-    ax.set_title(f"NLL by position, budget {budget} ({mode} positions)")
-    ax.legend(fontsize=8, ncol=2)
-    fig.tight_layout()
-    return fig
+    title = f"NLL by position, budget {budget} ({mode} positions)"
+    return _finish(fig, ax, "token position in the stream", "NLL [nats]", title)
 
 
 def quality_vs_memory(runs: pd.DataFrame, mode: str = "original") -> Figure:
@@ -181,12 +183,8 @@ def quality_vs_memory(runs: pd.DataFrame, mode: str = "original") -> Figure:
     )
     ax.set_xscale("log")
     _log_y(ax)
-    ax.set_xlabel("KV cache held per sequence [KiB]")
-    ax.set_ylabel("perplexity")
-    ax.set_title(f"Quality vs KV memory ({mode} positions)")
-    ax.legend(fontsize=8, ncol=2)
-    fig.tight_layout()
-    return fig
+    title = f"Quality vs KV memory ({mode} positions)"
+    return _finish(fig, ax, "KV cache held per sequence [KiB]", "perplexity", title)
 
 
 def throughput(runs: pd.DataFrame) -> Figure:
