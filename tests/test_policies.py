@@ -23,13 +23,33 @@ def small_budget(name: str) -> int:
     return max(10, make_policy(name).min_budget() + 3)
 
 
-@pytest.fixture(scope="module", params=["mha", "gqa"])
+VARIANTS = {
+    "mha": {},
+    "gqa": {"n_kv_head": 2},
+    # every switch the imported families use, at once: RMSNorm, SwiGLU, q/k/v and linear biases,
+    # partial rotary, parallel residual, untied head (the engine must stay exact under all of them)
+    "families": {
+        "n_kv_head": 2,
+        "norm": "rmsnorm",
+        "act": "swiglu",
+        "bias": True,
+        "rotary_dim": 4,
+        "parallel_residual": True,
+        "tie_embeddings": False,
+    },  # fmt: skip
+}
+
+
+@pytest.fixture(scope="module", params=list(VARIANTS))
 def setup(request):
     torch.manual_seed(0)
-    kv = 0 if request.param == "mha" else 2
-    model = (
-        GPT(GPTConfig(name="t", vocab_size=40, n_layer=2, n_head=4, n_kv_head=kv, n_embd=32)).double().eval()
-    )
+    cfg = GPTConfig(name="t", vocab_size=40, n_layer=2, n_head=4, n_embd=32, **VARIANTS[request.param])
+    model = GPT(cfg).double().eval()
+    if cfg.bias:  # biases start at zero; make them matter
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("bias"):
+                    p.normal_(0, 0.1)
     tokens = torch.randint(0, 40, (3, T))
     tokens[:, 0] = 39  # a <bos>-like first token
     ref = full_reference(model, tokens, attention=True, future=True)

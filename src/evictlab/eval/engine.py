@@ -84,7 +84,7 @@ class StreamOutput:
 def _rope_tables(model: GPT, n: int, device: torch.device, dtype: torch.dtype):
     if model.cfg.pos_emb is not PosEmb.rope:
         return None, None
-    cos, sin = rope_angles(torch.arange(n, device=device), model.cfg.head_dim, model.cfg.rope_base)
+    cos, sin = rope_angles(torch.arange(n, device=device), model.cfg.rope_dims, model.cfg.rope_base)
     return cos.to(dtype), sin.to(dtype)
 
 

@@ -2,6 +2,9 @@
 
 Pre-LayerNorm blocks, causal multi-head attention with RoPE (or learned absolute positions),
 optional grouped-query attention, GELU MLP, final norm and a head tied to the token embedding.
+A few switches cover the pretrained families evictlab imports (models/hf.py): RMSNorm and a SwiGLU
+MLP (Llama, Qwen2), linear biases and tanh-GELU (GPT-2), partial rotary and a parallel residual
+(GPT-NeoX / Pythia), an untied head. Their defaults are the small GPT trained here.
 
 Shapes: B batch, T tokens, C = n_embd, H = n_head, Hkv = n_kv_head, D = head_dim = C // H.
 
@@ -30,6 +33,17 @@ class PosEmb(str, Enum):
     learned = "learned"  # GPT-2 style absolute position table added to the token embedding
 
 
+class Norm(str, Enum):
+    layernorm = "layernorm"
+    rmsnorm = "rmsnorm"
+
+
+class Act(str, Enum):
+    gelu = "gelu"  # exact (erf) GELU MLP
+    gelu_tanh = "gelu_tanh"  # GPT-2's tanh approximation
+    swiglu = "swiglu"  # down(silu(gate(x)) * up(x)), Llama-style
+
+
 @dataclass
 class GPTConfig:
     name: str = "gpt_small"
@@ -44,9 +58,23 @@ class GPTConfig:
     block_size: int = 1024  # size of the learned position table (ignored by RoPE)
     sink_token: bool = False  # prepend a learnable dedicated <sink> token to every sequence
     init_std: float = 0.02
+    # switches for imported pretrained families (defaults: the small GPT trained here)
+    norm: Norm = Norm.layernorm
+    norm_eps: float = 1e-5
+    act: Act = Act.gelu
+    mlp_hidden: int = 0  # 0 = mlp_ratio * n_embd
+    bias: bool = False  # biases on the attention output and MLP linears (and q, k, v)
+    qkv_bias: bool = False  # biases on q, k, v only (Qwen2)
+    rotary_dim: int = 0  # dims of each head that RoPE rotates; 0 = all (GPT-NeoX rotates a fraction)
+    parallel_residual: bool = False  # x + attn(ln_1(x)) + mlp(ln_2(x)) (GPT-NeoX)
+    tie_embeddings: bool = True
 
     def __post_init__(self) -> None:
-        self.pos_emb = PosEmb(self.pos_emb)
+        self.pos_emb, self.norm, self.act = PosEmb(self.pos_emb), Norm(self.norm), Act(self.act)
+        if self.rotary_dim < 0 or self.rotary_dim > self.n_embd // max(1, self.n_head) or self.rotary_dim % 2:
+            raise ConfigError(
+                f"model.rotary_dim={self.rotary_dim} must be even and in [0, head_dim] (0 = all)"
+            )
         for key in ("n_layer", "n_head", "n_embd", "mlp_ratio", "block_size"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"model.{key}={getattr(self, key)} must be >= 1")
@@ -58,7 +86,7 @@ class GPTConfig:
             raise ConfigError(
                 f"model.n_head={self.n_head} is not divisible by model.n_kv_head={self.kv_heads}"
             )
-        if self.pos_emb is PosEmb.rope and self.head_dim % 2:
+        if self.pos_emb is PosEmb.rope and self.rope_dims % 2:
             raise ConfigError(f"RoPE needs an even head_dim; got n_embd/n_head={self.head_dim}")
         if self.rope_base <= 1:
             raise ConfigError(f"model.rope_base={self.rope_base} must be > 1")
@@ -71,6 +99,15 @@ class GPTConfig:
     def kv_heads(self) -> int:
         return self.n_kv_head or self.n_head
 
+    @property
+    def rope_dims(self) -> int:
+        """Leading dims of each head that RoPE rotates."""
+        return self.rotary_dim or self.head_dim
+
+    @property
+    def hidden(self) -> int:
+        return self.mlp_hidden or self.mlp_ratio * self.n_embd
+
 
 def rope_angles(pos: torch.Tensor, head_dim: int, base: float) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin of shape pos.shape + [head_dim // 2], computed in float64 for exact positions."""
@@ -80,14 +117,18 @@ def rope_angles(pos: torch.Tensor, head_dim: int, base: float) -> tuple[torch.Te
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half RoPE of x [..., D] with cos/sin [..., D/2] broadcastable to x's leading dims."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
+    """Rotate-half RoPE of x [..., D] with cos/sin [..., R/2] broadcastable to x's leading dims; the
+    first R dims rotate and the rest pass through (partial rotary when R < D)."""
+    r = 2 * cos.shape[-1]
+    rot, rest = (x, None) if r == x.shape[-1] else (x[..., :r], x[..., r:])
+    x1, x2 = rot.chunk(2, dim=-1)
+    out = torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
+    return out if rest is None else torch.cat((out, rest), dim=-1)
 
 
-def apply_rope(x: torch.Tensor, pos: torch.Tensor, base: float) -> torch.Tensor:
-    """Rotate x [..., T, D] by positions pos (broadcastable to x.shape[:-1])."""
-    cos, sin = rope_angles(pos, x.shape[-1], base)
+def apply_rope(x: torch.Tensor, pos: torch.Tensor, base: float, dims: int | None = None) -> torch.Tensor:
+    """Rotate the first `dims` (default all) of x [..., T, D] by positions pos (broadcastable)."""
+    cos, sin = rope_angles(pos, dims or x.shape[-1], base)
     return rotate(x, cos.to(x.dtype), sin.to(x.dtype))
 
 
@@ -96,9 +137,10 @@ class CausalSelfAttention(nn.Module):
         super().__init__()
         self.n_head, self.n_kv_head, self.head_dim = cfg.n_head, cfg.kv_heads, cfg.head_dim
         self.rope_base = cfg.rope_base if cfg.pos_emb is PosEmb.rope else None
+        self.rope_dims = cfg.rope_dims
         qkv_out = (self.n_head + 2 * self.n_kv_head) * self.head_dim
-        self.c_attn = nn.Linear(cfg.n_embd, qkv_out, bias=False)  # fused q, k, v projection
-        self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=False)
+        self.c_attn = nn.Linear(cfg.n_embd, qkv_out, bias=cfg.bias or cfg.qkv_bias)  # fused q, k, v
+        self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
 
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [B, T, C] -> q [B, H, T, D], k [B, Hkv, T, D], v [B, Hkv, T, D], before RoPE."""
@@ -114,7 +156,7 @@ class CausalSelfAttention(nn.Module):
 
     def rotate(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         """RoPE at explicit positions (identity for learned absolute positions)."""
-        return x if self.rope_base is None else apply_rope(x, pos, self.rope_base)
+        return x if self.rope_base is None else apply_rope(x, pos, self.rope_base, self.rope_dims)
 
     def attend(
         self,
@@ -143,11 +185,22 @@ class CausalSelfAttention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
-        self.c_fc = nn.Linear(cfg.n_embd, cfg.mlp_ratio * cfg.n_embd, bias=False)
-        self.c_proj = nn.Linear(cfg.mlp_ratio * cfg.n_embd, cfg.n_embd, bias=False)
+        self.act = cfg.act
+        self.c_fc = nn.Linear(cfg.n_embd, cfg.hidden, bias=cfg.bias)  # the "up" projection
+        self.c_gate = nn.Linear(cfg.n_embd, cfg.hidden, bias=cfg.bias) if cfg.act is Act.swiglu else None
+        self.c_proj = nn.Linear(cfg.hidden, cfg.n_embd, bias=cfg.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.c_proj(F.gelu(self.c_fc(x)))
+        if self.c_gate is not None:
+            return self.c_proj(F.silu(self.c_gate(x)) * self.c_fc(x))
+        approximate = "tanh" if self.act is Act.gelu_tanh else "none"
+        return self.c_proj(F.gelu(self.c_fc(x), approximate=approximate))
+
+
+def make_norm(cfg: GPTConfig) -> nn.Module:
+    if cfg.norm is Norm.rmsnorm:
+        return nn.RMSNorm(cfg.n_embd, eps=cfg.norm_eps)
+    return nn.LayerNorm(cfg.n_embd, eps=cfg.norm_eps)
 
 
 AttnFn = Callable[[torch.Tensor], torch.Tensor]
@@ -156,15 +209,19 @@ AttnFn = Callable[[torch.Tensor], torch.Tensor]
 class Block(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
-        self.ln_1 = nn.LayerNorm(cfg.n_embd)
+        self.ln_1 = make_norm(cfg)
         self.attn = CausalSelfAttention(cfg)
-        self.ln_2 = nn.LayerNorm(cfg.n_embd)
+        self.ln_2 = make_norm(cfg)
         self.mlp = MLP(cfg)
+        self.parallel = cfg.parallel_residual
 
     def forward(self, x: torch.Tensor, pos: torch.Tensor | None = None, attn: AttnFn | None = None):
         """x [B, T, C]. Plain causal attention over x at positions pos, or `attn(ln_1(x))` if given."""
         h = self.ln_1(x)
-        x = x + (self.attn(h, pos) if attn is None else attn(h))
+        a = self.attn(h, pos) if attn is None else attn(h)
+        if self.parallel:  # GPT-NeoX: attention and MLP both read the block's input
+            return x + a + self.mlp(self.ln_2(x))
+        x = x + a
         return x + self.mlp(self.ln_2(x))
 
 
@@ -177,9 +234,10 @@ class GPT(nn.Module):
         self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
         self.wpe = nn.Embedding(cfg.block_size, cfg.n_embd) if cfg.pos_emb is PosEmb.learned else None
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
-        self.ln_f = nn.LayerNorm(cfg.n_embd)
+        self.ln_f = make_norm(cfg)
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
-        self.lm_head.weight = self.wte.weight  # tied
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.wte.weight
         self.apply(self._init_weights)
         for name, p in self.named_parameters():  # GPT-2: scale residual projections by 1/sqrt(2 L)
             if name.endswith("c_proj.weight"):
@@ -188,6 +246,8 @@ class GPT(nn.Module):
     def _init_weights(self, module: nn.Module) -> None:
         if isinstance(module, nn.Linear | nn.Embedding):
             nn.init.normal_(module.weight, mean=0.0, std=self.cfg.init_std)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())
