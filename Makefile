@@ -5,6 +5,7 @@ PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 PYTEST_ARGS ?=
 EXP ?= default
+GROUP ?= $(EXP)
 LAUNCHER ?= local
 OUT ?= $(or $(EVICTLAB_OUTPUTS),outputs)
 
@@ -43,21 +44,21 @@ run: ## One run: make run ARGS="strategy=h2o budget=b128"
 
 sweep: ## Train (cached), run experiment EXP through LAUNCHER (local|submitit_local|slurm), aggregate, figures
 	$(PY) -m evictlab.train +experiment=$(EXP) $(ARGS)
-	$(PY) -m evictlab.run -m +experiment=$(EXP) hydra/launcher=$(LAUNCHER) $(ARGS)
-	$(PY) -m evictlab.aggregate $(OUT)/runs/$(EXP)
-	$(PY) -m evictlab.figures $(OUT)/runs/$(EXP)
+	$(PY) -m evictlab.run -m +experiment=$(EXP) hydra/launcher=$(LAUNCHER) group=$(GROUP) $(ARGS)
+	$(PY) -m evictlab.aggregate $(OUT)/runs/$(GROUP)
+	$(PY) -m evictlab.figures $(OUT)/runs/$(GROUP)
 
 paper: ## Re-run every experiments/<name>/ sweep, refresh its committed snapshot, redraw the paper figures
 	$(PY) -m evictlab.paper run --launcher $(LAUNCHER)
 
 aggregate: ## Collect a sweep's runs into results.parquet (+ failures.csv): make aggregate EXP=default
-	$(PY) -m evictlab.aggregate $(OUT)/runs/$(EXP)
+	$(PY) -m evictlab.aggregate $(OUT)/runs/$(GROUP)
 
 figures: ## Redraw every paper figure from the committed snapshots in experiments/ (seconds; no training/eval)
 	$(PY) -m evictlab.paper figures
 
 report: ## Figures + HTML report of a sweep's own results: make report EXP=default
-	$(PY) -m evictlab.figures $(OUT)/runs/$(EXP)
+	$(PY) -m evictlab.figures $(OUT)/runs/$(GROUP)
 
 smoke: ## A two-minute sweep on a tiny model (EXP=smoke)
 	$(MAKE) sweep EXP=smoke

@@ -116,3 +116,57 @@ def test_bad_checkpoints_fail_in_one_line(tmp_path: Path, monkeypatch):
     assert "\n" not in str(err.value) and "save_pretrained" in str(err.value)
     with pytest.raises(ConfigError, match="model.dtype"):
         load_hf_model(str(tmp_path / "bert"), dtype="float8")
+
+
+# ---- a sweep over locally saved tiny checkpoints of each family, tokenizer included ----------------
+
+
+def _save_with_tokenizer(kind: str, path: Path) -> None:
+    """A tiny random checkpoint plus a byte-level BPE tokenizer (300 ids) trained on pydoc text."""
+    from pydoc_data.topics import topics
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>"], initial_alphabet=alphabet,
+                                  show_progress=False)  # fmt: skip
+    tok.train_from_iterator(list(topics.values())[:20], trainer=trainer)
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|endoftext|>",
+                                                eos_token="<|endoftext|>")  # fmt: skip
+    global V
+    saved_v, V = V, len(fast)
+    try:
+        torch.manual_seed(0)
+        model = _build(kind)
+    finally:
+        V = saved_v
+    model.save_pretrained(path)
+    fast.save_pretrained(path)
+
+
+@pytest.mark.parametrize("kind", FAMILIES)
+def test_sweep_over_a_local_checkpoint_runs_every_policy(kind, tmp_path: Path):
+    from evictlab import run as run_mod
+    from evictlab.cache import POLICIES
+    from evictlab.config import compose, to_objects
+
+    ckpt = tmp_path / kind
+    _save_with_tokenizer(kind, ckpt)
+    outputs = tmp_path / "outputs"
+    for name in sorted(POLICIES):
+        modes = ["original"] if kind == "gpt2" else ["original", "cache"]  # GPT-2: learned positions
+        for mode in modes:
+            cfg = to_objects(compose([
+                "model=hf", f"model.name_or_path={ckpt}", f"strategy={name}", "budget=b16", "logger=none",
+                "eval.n_streams=2", "eval.stream_len=48", f"eval.position_mode={mode}",
+                f"paths.outputs={outputs}", "train.seq_len=48",
+            ]))  # fmt: skip
+            assert cfg.tokenizer.kind.value == "hf"
+            m = run_mod.run(cfg)
+            assert m["status"] == "ok" and m["scored_tokens"] == 2 * 47, (kind, name, mode)
+            if name == "full":
+                assert m["kl_mean"] == pytest.approx(0, abs=1e-5)
+    assert not list(outputs.glob("checkpoints/*"))  # nothing was trained

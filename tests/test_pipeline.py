@@ -162,6 +162,13 @@ BAD = [
         ["eval.stream_source=documents", "eval.stream_len=100000"],
         "longer than the documents",
     ),
+    ("hf-without-path", ["model=hf"], "model.name_or_path"),
+    (
+        "hf-missing-folder",
+        ["model=hf", "model.name_or_path=/nonexistent/ckpt"],
+        "not a folder with a config.json",
+    ),
+    ("bad-dtype", ["model.dtype=float8"], "model.dtype"),
 ]
 
 

@@ -181,6 +181,10 @@ class Config:
     group: str = "adhoc"  # the sweep (experiment) a run belongs to: names its folder and W&B group
 
     def __post_init__(self) -> None:
+        if self.model.name_or_path:  # a pretrained checkpoint brings its own tokenizer
+            self.tokenizer = TokenizerConfig(kind="hf", name_or_path=self.model.name_or_path)
+        if self.model.dtype not in ("float32", "float16", "bfloat16"):
+            raise ConfigError(f"model.dtype={self.model.dtype!r} must be float32, float16 or bfloat16")
         learned = self.model.pos_emb is PosEmb.learned
         if learned and self.train.seq_len > self.model.block_size:
             raise ConfigError(

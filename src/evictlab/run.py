@@ -164,7 +164,15 @@ def _evaluate(cfg: Config, key: str, out: Path) -> dict[str, Any]:
     set_threads(cfg.eval.threads)
     seed_everything(cfg.seed)
     device = torch.device(cfg.eval.device)
-    model = ck.model.to(device).eval()
+    model = ck.model.to(device=device, dtype=getattr(torch, cfg.model.dtype)).eval()
+    mc = model.cfg
+    if mc.pos_emb.value == "learned" and cfg.eval.stream_len > mc.block_size:
+        raise ConfigError(f"eval.stream_len={cfg.eval.stream_len} is longer than the model's learned "
+                          f"position table ({mc.block_size})")  # fmt: skip
+    if mc.pos_emb.value == "learned" and cfg.eval.position_mode.value == "cache":
+        raise ConfigError(
+            "eval.position_mode=cache needs RoPE; this checkpoint has learned absolute positions"
+        )
     tokens = eval_streams(corpus, cfg.eval.n_streams, cfg.eval.stream_len, cfg.model.sink_token,
                           cfg.eval.stream_source, cfg.eval.split, seed=cfg.seed).to(device)  # fmt: skip
     policy = cfg.strategy.build()

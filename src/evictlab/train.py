@@ -273,6 +273,8 @@ def save_checkpoint(dest: Path, model: GPT, meta: dict[str, Any]) -> None:
 def get_checkpoint(cfg: Config, corpus: Corpus | None = None) -> Checkpoint:
     """The trained model for cfg: from the cache when present and intact, else trained (once)."""
     corpus = corpus or load_corpus(cfg.dataset, cfg.tokenizer, cfg.outputs, min_tokens=cfg.train.seq_len + 1)
+    if cfg.model.name_or_path:  # a pretrained checkpoint: nothing to train
+        return pretrained(cfg)
     cfg = replace(
         cfg, model=replace(cfg.model, vocab_size=corpus.tokenizer.vocab_size)
     )  # caller's cfg untouched
@@ -316,8 +318,30 @@ def get_checkpoint(cfg: Config, corpus: Corpus | None = None) -> Checkpoint:
         return Checkpoint(dest, model.eval(), read_json(dest / "meta.json"), cached=False)
 
 
+def pretrained(cfg: Config) -> Checkpoint:
+    """A Hugging Face checkpoint mapped onto evictlab's GPT (models/hf.py)."""
+    from evictlab.models.hf import load_hf_model
+
+    model, info = load_hf_model(cfg.model.name_or_path, cfg.model.dtype)
+    meta = {
+        "key": stable_hash(
+            {"hf": cfg.model.name_or_path, "dtype": cfg.model.dtype, "format": CHECKPOINT_FORMAT}
+        ),
+        "source": "hf",
+        "model": to_jsonable(model.cfg),
+        "model_type": info["model_type"],
+        "params": model.num_params(),
+        "val_bpb": None,
+    }
+    return Checkpoint(Path(info["path"]), model, meta, cached=True)
+
+
 def summary(ck: Checkpoint, seconds: float) -> str:
     m = ck.meta
+    if m.get("source") == "hf":
+        return (
+            f"{m['model_type']} checkpoint ({m['params']:,} params) loaded in {seconds:.2f} s\n  -> {ck.path}"
+        )
     how = f"loaded from cache in {seconds:.2f} s" if ck.cached else f"trained in {m['wall_s']:.0f} s"
     base = m["baselines"]
     return (

@@ -10,7 +10,7 @@ import numpy as np
 
 from evictlab.data.corpora import SPLITS, DatasetConfig, content_hash, load_documents, split_documents
 from evictlab.data.tokenizers import BPETokenizer, ByteTokenizer, TokenizerConfig, build_tokenizer
-from evictlab.errors import DataError
+from evictlab.errors import ConfigError, DataError
 from evictlab.store import atomic_path, stable_hash
 
 log = logging.getLogger(__name__)
@@ -61,6 +61,10 @@ class Corpus:
 
     def prefix(self, sink_token: bool) -> list[int]:
         """The tokens every sample/stream starts with: [<sink>] if the model has one, then [<bos>]."""
+        if sink_token and self.tokenizer.sink_id is None:
+            raise ConfigError("model.sink_token=true needs a tokenizer with a <sink> token (byte or bpe)")
+        if self.bos and self.tokenizer.bos_id is None:
+            raise ConfigError("the tokenizer has neither a BOS nor an EOS token: set dataset.bos=false")
         return ([self.tokenizer.sink_id] if sink_token else []) + (
             [self.tokenizer.bos_id] if self.bos else []
         )

@@ -23,15 +23,19 @@ BOS, SINK = "<bos>", "<sink>"
 class TokenizerKind(str, Enum):
     byte = "byte"
     bpe = "bpe"
+    hf = "hf"  # a pretrained checkpoint's own tokenizer (transformers AutoTokenizer)
 
 
 @dataclass
 class TokenizerConfig:
     kind: TokenizerKind = TokenizerKind.byte
     vocab_size: int = 2048  # BPE only (byte-level is always 256 + 2 specials)
+    name_or_path: str | None = None  # hf only: set from model.name_or_path
 
     def __post_init__(self) -> None:
         self.kind = TokenizerKind(self.kind)
+        if self.kind is TokenizerKind.hf and not self.name_or_path:
+            raise ConfigError("tokenizer.kind=hf needs tokenizer.name_or_path (set by model=hf)")
         if self.kind is TokenizerKind.bpe and not 260 <= self.vocab_size <= 65535:
             raise ConfigError(f"tokenizer.vocab_size={self.vocab_size} must be in [260, 65535] for BPE")
 
@@ -87,6 +91,37 @@ class BPETokenizer:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
 
 
+class HFTokenizer:
+    """A pretrained checkpoint's tokenizer. <bos> follows the checkpoint: its BOS token, else its EOS
+    (GPT-2 and Pythia start documents with <|endoftext|>). It has no dedicated <sink> token."""
+
+    def __init__(self, name_or_path: str):
+        from transformers import AutoTokenizer
+
+        from evictlab.models.hf import resolve
+
+        path = resolve(name_or_path)
+        try:
+            self._tok = AutoTokenizer.from_pretrained(str(path))
+        except Exception as e:  # noqa: BLE001
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            raise ConfigError(f"no usable tokenizer in {path} ({first})") from None
+        self.vocab_size = len(self._tok)
+        bos = self._tok.bos_token_id if self._tok.bos_token_id is not None else self._tok.eos_token_id
+        self.bos_id, self.sink_id = bos, None
+        self.spec = {"kind": "hf", "name_or_path": str(name_or_path), "vocab_size": self.vocab_size}
+
+    def encode(self, text: str) -> np.ndarray:
+        return np.asarray(self._tok(text, add_special_tokens=False)["input_ids"], dtype=np.int64)
+
+    def encode_batch(self, texts: Iterable[str]) -> list[np.ndarray]:
+        ids = self._tok(list(texts), add_special_tokens=False)["input_ids"]
+        return [np.asarray(i, dtype=np.int64) for i in ids]
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return self._tok.decode([int(i) for i in ids])
+
+
 def train_bpe(texts: list[str], vocab_size: int, dest: Path) -> None:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
@@ -106,10 +141,12 @@ def train_bpe(texts: list[str], vocab_size: int, dest: Path) -> None:
 
 def build_tokenizer(
     cfg: TokenizerConfig, train_texts: list[str], train_hash: str, cache_dir: Path
-) -> ByteTokenizer | BPETokenizer:
+) -> ByteTokenizer | BPETokenizer | HFTokenizer:
     """The tokenizer for a corpus; BPE is trained on the train split once and cached by its hash."""
     if cfg.kind is TokenizerKind.byte:
         return ByteTokenizer()
+    if cfg.kind is TokenizerKind.hf:
+        return HFTokenizer(cfg.name_or_path)
     spec = {"kind": "bpe", "vocab_size": cfg.vocab_size, "train_hash": train_hash}
     path = cache_dir / f"bpe-{stable_hash(spec)}.json"
     if not path.exists():

@@ -68,9 +68,14 @@ class GPTConfig:
     rotary_dim: int = 0  # dims of each head that RoPE rotates; 0 = all (GPT-NeoX rotates a fraction)
     parallel_residual: bool = False  # x + attn(ln_1(x)) + mlp(ln_2(x)) (GPT-NeoX)
     tie_embeddings: bool = True
+    # a pretrained checkpoint instead of training (model=hf): hub id or save_pretrained() folder
+    name_or_path: str | None = None
+    dtype: str = "float32"  # weights and KV cache: float32 | float16 | bfloat16
 
     def __post_init__(self) -> None:
         self.pos_emb, self.norm, self.act = PosEmb(self.pos_emb), Norm(self.norm), Act(self.act)
+        if self.name == "hf" and not self.name_or_path:
+            raise ConfigError("model=hf needs model.name_or_path=<hub id or save_pretrained() folder>")
         if self.rotary_dim < 0 or self.rotary_dim > self.n_embd // max(1, self.n_head) or self.rotary_dim % 2:
             raise ConfigError(
                 f"model.rotary_dim={self.rotary_dim} must be even and in [0, head_dim] (0 = all)"
