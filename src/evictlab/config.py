@@ -122,6 +122,7 @@ class EvalConfig:
     device: str = "cpu"
     threads: int = 1  # torch threads per run (sweeps run several runs at once)
     progress: bool = False
+    generate_tokens: int = 0  # > 0: greedy continuations of this many tokens vs the full cache's
 
     def __post_init__(self) -> None:
         for key in ("n_streams", "batch_size"):
@@ -133,6 +134,8 @@ class EvalConfig:
             raise ConfigError(f"eval.split={self.split!r} must be train, val or test")
         if self.threads < 0:
             raise ConfigError(f"eval.threads={self.threads} must be >= 0")
+        if not 0 <= self.generate_tokens < self.stream_len:
+            raise ConfigError(f"eval.generate_tokens={self.generate_tokens} must be in [0, eval.stream_len)")
         check_device("eval.device", self.device)
 
 

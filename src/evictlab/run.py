@@ -28,7 +28,7 @@ from filelock import FileLock
 from evictlab.config import Config, to_objects
 from evictlab.data.dataset import load_corpus
 from evictlab.errors import ConfigError
-from evictlab.eval.evaluate import eval_streams, evaluate
+from evictlab.eval.evaluate import eval_streams, evaluate, greedy_divergence
 from evictlab.perf import set_threads
 from evictlab.store import (
     git_info,
@@ -202,10 +202,29 @@ def _evaluate(cfg: Config, key: str, out: Path) -> dict[str, Any]:
         "checkpoint_val_bpb": ck.meta.get("val_bpb"),
         **res.summary,
     }
+    generations = None
+    if cfg.eval.generate_tokens and not policy.needs_future:  # the oracle cannot generate (no future)
+        g = greedy_divergence(
+            model, tokens, policy, cfg.resolved_budget, cfg.eval.generate_tokens,
+            position_mode=cfg.eval.position_mode, allocation=cfg.eval.allocation.value,
+            batch_size=cfg.eval.batch_size,
+        )  # fmt: skip
+        decode = corpus.tokenizer.decode
+        generations = pd.DataFrame({
+            "stream": np.arange(len(g["agreement"])), "first_divergence": g["first_divergence"],
+            "agreement": g["agreement"], "text_full": [decode(r) for r in g["full_tokens"]],
+            "text_policy": [decode(r) for r in g["policy_tokens"]],
+        })  # fmt: skip
+        write_atomic(out / "generations.parquet", lambda p: generations.to_parquet(p, index=False))
+        metrics |= {
+            "generate_tokens": cfg.eval.generate_tokens,
+            "gen_first_divergence_mean": float(g["first_divergence"].mean()),
+            "gen_agreement": float(g["agreement"].mean()),
+        }
     curve = frame.groupby("position", as_index=False)[
         ["nll", *(["nll_full"] if "nll_full" in frame else [])]
     ].mean()
-    tracking.log_eval(cfg, key, to_jsonable(cfg), metrics, curve)
+    tracking.log_eval(cfg, key, to_jsonable(cfg), metrics, curve, generations)
     return metrics
 
 

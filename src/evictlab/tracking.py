@@ -91,10 +91,13 @@ def log_training(cfg: Config, meta: dict[str, Any], checkpoint: Path) -> None:
             run.log_artifact(art)
 
 
-def log_eval(cfg: Config, run_key: str, config: dict[str, Any], metrics: dict[str, Any], curve) -> None:
+def log_eval(
+    cfg: Config, run_key: str, config: dict[str, Any], metrics: dict[str, Any], curve, generations=None
+) -> None:
     """A job_type=eval run: the run's summary metrics and its NLL-by-position curve (table + line plot).
 
-    `curve`: a pandas frame with columns position, nll, nll_full (means over streams).
+    `curve`: a pandas frame with columns position, nll, nll_full (means over streams); `generations`
+    (optional): per stream, the greedy continuations under the policy and the full cache, as a table.
     """
     tags = [
         f"strategy:{cfg.strategy.name}", f"budget:{cfg.budget.name}", f"model:{cfg.model.name}",
@@ -115,6 +118,8 @@ def log_eval(cfg: Config, run_key: str, config: dict[str, Any], metrics: dict[st
                 "nll_curve": wandb.plot.line(table, "position", "nll", title="NLL by position"),
             }
         )
+        if generations is not None:
+            run.log({"generations": wandb.Table(dataframe=generations)})
 
 
 def log_report(logger: LoggerConfig, outputs: Path, group: str, images: dict[str, Path], table) -> None:

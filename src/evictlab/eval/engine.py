@@ -76,6 +76,7 @@ class StreamOutput:
     seconds: float = 0.0
     policy_seconds: float = 0.0  # time inside policy scoring and victim selection
     kept: list[torch.Tensor] = field(default_factory=list)  # per layer [B, Hkv, S] final positions (loop)
+    generated: torch.Tensor | None = None  # [B, n_new] greedy tokens (generate only)
 
 
 # ------------------------------------------------------------------------------------------- helpers
@@ -301,8 +302,14 @@ class LayerCache:
 
 
 @torch.no_grad()
-def _stream_loop(model, tokens, policy, budgets, mode, ref, doc) -> StreamOutput:
+def _stream_loop(
+    model, tokens, policy, budgets, mode, ref, doc, generate_from: int | None = None
+) -> StreamOutput:
+    """The token loop. With `generate_from=P`, tokens from position P on are not read from `tokens`
+    but generated greedily (each step's argmax is the next step's input); see `generate`."""
     cfg = model.cfg
+    if generate_from is not None:
+        tokens = tokens.clone()
     inp, tgt = tokens[:, :-1], tokens[:, 1:]
     B, n = inp.shape
     H, Hkv, D, L = cfg.n_head, cfg.kv_heads, cfg.head_dim, cfg.n_layer
@@ -386,12 +393,16 @@ def _stream_loop(model, tokens, policy, budgets, mode, ref, doc) -> StreamOutput
         for l, block in enumerate(model.blocks):
             x = block(x, attn=make_attn(l, t))
         logp = F.log_softmax(model.head(x)[:, 0], dim=-1)  # [B, V]
+        if generate_from is not None and t + 1 >= generate_from:
+            tokens[:, t + 1] = logp.argmax(-1)  # tgt and inp are views of tokens
         nll[:, t] = -logp.gather(-1, tgt[:, t : t + 1])[:, 0]
         if ref is not None:
             kl[:, t], agree[:, t] = _metrics_vs_full(logp, ref, t)
     out = StreamOutput(nll, occupancy, "loop", budgets, kl, agree, lost)
     out.policy_seconds = policy_s
     out.kept = [c.pos.clone() for c in caches]
+    if generate_from is not None:
+        out.generated = tokens[:, generate_from:]
     return out
 
 
@@ -436,3 +447,43 @@ def stream(
     if reference is not None:
         out.sink_mass = reference.sink_mass
     return out
+
+
+@torch.no_grad()
+def generate(
+    model: GPT,
+    prompt: torch.Tensor,
+    policy: Policy,
+    budget: int,
+    n_new: int,
+    *,
+    position_mode: PositionMode | str = PositionMode.original,
+    allocation: Allocation | str = Allocation.uniform,
+    doc: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Greedy continuation [B, n_new] of prompt [B, P] with the cache evicted to `budget` every step
+    (the prompt is streamed token by token under the policy first, exactly as in `stream`)."""
+    mode = check_position_mode(model, position_mode)
+    if policy.needs_future:
+        raise ConfigError(f"strategy {policy.name!r} cannot generate: it needs the full-cache run's future")
+    B, P = prompt.shape
+    if P < 1 or n_new < 1:
+        raise ConfigError(f"generation needs a prompt and n_new >= 1 (got P={P}, n_new={n_new})")
+    tokens = torch.cat([prompt, prompt.new_zeros(B, n_new)], dim=1)
+    budgets = budgets_for(model, policy, budget, allocation, tokens.shape[1] - 1)
+    model.eval()
+    if not policy.recompute:
+        doc = doc if doc is not None else torch.arange(B, device=prompt.device)
+        return _stream_loop(model, tokens, policy, budgets, mode, None, doc, generate_from=P).generated
+    W = budgets[0] + 1  # recompute: a fresh forward over the last W tokens for each new token
+    seq = prompt
+    for _ in range(n_new):
+        lo = max(0, seq.shape[1] - W)
+        pos = torch.arange(seq.shape[1] - lo, device=seq.device) + (
+            lo if mode is PositionMode.original else 0
+        )
+        x = model.embed(seq[:, lo:], pos)
+        for block in model.blocks:
+            x = block(x, pos)
+        seq = torch.cat([seq, model.head(x[:, -1]).argmax(-1, keepdim=True)], dim=1)
+    return seq[:, P:]

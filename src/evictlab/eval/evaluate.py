@@ -14,7 +14,7 @@ from tqdm.auto import tqdm
 from evictlab.cache.policies import Policy, make_policy
 from evictlab.data.dataset import Corpus
 from evictlab.errors import ConfigError
-from evictlab.eval.engine import FullReference, PositionMode, budgets_for, full_reference, stream
+from evictlab.eval.engine import FullReference, PositionMode, budgets_for, full_reference, generate, stream
 from evictlab.models.gpt import GPT
 from evictlab.perf import peak_rss_bytes
 
@@ -202,3 +202,28 @@ def evaluate(
         stacked = torch.stack([b.float().cpu() for b in by_key])
         attention_by_key = ((stacked * w[:, None, None]).sum(0) / w.sum()).numpy()
     return EvalResult(per_token, summary, refs, attention_by_key)
+
+
+def greedy_divergence(
+    model: GPT, tokens: torch.Tensor, policy: Policy, budget: int, n_new: int, *,
+    position_mode: PositionMode | str = PositionMode.original, allocation: str = "uniform",
+    batch_size: int = 16,
+) -> dict[str, np.ndarray]:  # fmt: skip
+    """Greedy continuations of each stream's first T - n_new tokens under the policy and under the full
+    cache: per stream, the first step where they differ (n_new if never) and the share of steps that
+    agree, plus both token arrays [N, n_new]."""
+    N, T = tokens.shape
+    if not 1 <= n_new < T:
+        raise ConfigError(f"eval.generate_tokens={n_new} must be in [1, eval.stream_len)")
+    full = make_policy("full")
+    ours, theirs = [], []
+    for b0 in range(0, N, batch_size):
+        prompt = tokens[b0 : b0 + batch_size, : T - n_new]
+        doc = torch.arange(b0, b0 + prompt.shape[0], device=tokens.device)
+        kw = {"position_mode": position_mode, "allocation": allocation, "doc": doc}
+        ours.append(generate(model, prompt, policy, budget, n_new, **kw))
+        theirs.append(generate(model, prompt, full, budget, n_new, **kw))
+    p, f = torch.cat(ours).cpu().numpy(), torch.cat(theirs).cpu().numpy()
+    same = p == f
+    first = np.where(same.all(1), n_new, np.argmin(same, axis=1))
+    return {"policy_tokens": p, "full_tokens": f, "first_divergence": first, "agreement": same.mean(1)}

@@ -1,0 +1,87 @@
+"""Greedy generation under eviction, and the divergence from the full cache's continuation."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import torch
+
+from evictlab.cache import POLICIES, make_policy
+from evictlab.errors import ConfigError
+from evictlab.eval.engine import generate
+from evictlab.eval.evaluate import greedy_divergence
+from evictlab.models.gpt import GPT, GPTConfig
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    return GPT(
+        GPTConfig(name="t", vocab_size=30, n_layer=2, n_head=4, n_kv_head=2, n_embd=32, init_std=0.3)
+    ).eval()
+
+
+def naive_greedy(model, prompt, n_new, window=None):
+    """Greedy decoding by re-running the model on the (windowed) sequence for every token."""
+    seq = prompt
+    for _ in range(n_new):
+        ctx = seq if window is None else seq[:, -window:]
+        seq = torch.cat([seq, model(ctx)[:, -1].argmax(-1, keepdim=True)], dim=1)
+    return seq[:, prompt.shape[1] :]
+
+
+def test_full_cache_generation_equals_naive_greedy(model):
+    prompt = torch.randint(0, 30, (3, 12))
+    torch.testing.assert_close(
+        generate(model, prompt, make_policy("full"), 8, 10), naive_greedy(model, prompt, 10)
+    )
+
+
+def test_recompute_window_generation_equals_a_fresh_forward_per_token(model):
+    prompt = torch.randint(0, 30, (2, 20))
+    got = generate(model, prompt, make_policy("recompute_window"), 6, 8, position_mode="cache")
+    torch.testing.assert_close(got, naive_greedy(model, prompt, 8, window=7))
+
+
+@pytest.mark.parametrize("name", [n for n in sorted(POLICIES) if n != "oracle"])
+def test_budget_covering_the_sequence_generates_like_the_full_cache(model, name):
+    prompt = torch.randint(0, 30, (2, 10))
+    full = generate(model, prompt, make_policy("full"), 8, 6)
+    torch.testing.assert_close(generate(model, prompt, make_policy(name), 20, 6), full)
+
+
+def test_divergence_summary(model):
+    tokens = torch.randint(0, 30, (3, 40))
+    g = greedy_divergence(model, tokens, make_policy("window"), 4, 12, batch_size=2)
+    assert g["policy_tokens"].shape == g["full_tokens"].shape == (3, 12)
+    for s in range(3):
+        same = g["policy_tokens"][s] == g["full_tokens"][s]
+        assert g["first_divergence"][s] == (12 if same.all() else int(same.argmin()))
+        assert g["agreement"][s] == pytest.approx(same.mean())
+    assert (greedy_divergence(model, tokens, make_policy("full"), 4, 12)["agreement"] == 1).all()
+    with pytest.raises(ConfigError, match="cannot generate"):
+        generate(model, tokens[:, :5], make_policy("oracle"), 4, 3)
+
+
+def test_run_records_generations(tmp_path: Path):
+    from evictlab import run as run_mod
+    from tests.test_pipeline import cfg_for
+    from tests.wandb_reader import read_run
+
+    cfg = cfg_for(tmp_path / "outputs", "strategy=window", "budget=b16", "eval.generate_tokens=8")
+    m = run_mod.run(cfg)
+    wb = read_run(next((tmp_path / "outputs" / "wandb").glob(f"offline-run-*-{m['run_key']}/*.wandb")))
+    assert any(k.startswith("generations") for h in wb["history"] for k in h)  # the W&B table
+    assert wb["summary"]["gen_agreement"] == pytest.approx(m["gen_agreement"])
+    g = pd.read_parquet(run_mod.run_dir(cfg) / "generations.parquet")
+    assert len(g) == 2 and {"first_divergence", "agreement", "text_full", "text_policy"} <= set(g)
+    assert m["gen_agreement"] == pytest.approx(g["agreement"].mean()) and m["generate_tokens"] == 8
+    stored = json.loads((run_mod.run_dir(cfg) / "metrics.json").read_text())
+    assert stored["gen_first_divergence_mean"] == pytest.approx(g["first_divergence"].mean())
+    oracle = cfg_for(
+        tmp_path / "outputs", "strategy=oracle", "budget=b16", "logger=none", "eval.generate_tokens=8"
+    )
+    assert "gen_agreement" not in run_mod.run(oracle)  # non-causal: no generation
