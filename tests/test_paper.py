@@ -53,3 +53,36 @@ def test_bad_spec_and_unknown_folder(tmp_path: Path, monkeypatch, capsys):
         paper.load_spec(tmp_path / "x")
     assert paper.main(["figures", "--only", "nope"]) == 2
     assert "no experiments" in capsys.readouterr().err
+
+
+def test_make_paper_refreshes_the_snapshot_from_the_sweep(tmp_path: Path, monkeypatch):
+    """`make paper` runs `make sweep EXP=<experiment>` and copies that sweep's aggregated tables into
+    the folder's snapshot; here the sweep is simulated by copying the committed tables."""
+    import shutil
+
+    src = paper.EXPERIMENTS / "position_modes"
+    folder = tmp_path / "experiments" / "position_modes"
+    shutil.copytree(src, folder)
+    for f in (folder / "snapshot").iterdir():
+        f.unlink()
+    outputs = tmp_path / "outputs"
+    monkeypatch.setenv("EVICTLAB_OUTPUTS", str(outputs))
+    calls = []
+
+    def fake_make(cmd, cwd, check):
+        calls.append(cmd)
+        sweep = outputs / "runs" / "position_modes"
+        sweep.mkdir(parents=True, exist_ok=True)
+        for t in ("results", "streams", "curves"):
+            shutil.copyfile(src / "snapshot" / f"{t}.parquet", sweep / f"{t}.parquet")
+
+    monkeypatch.setattr(paper.subprocess, "run", fake_make)
+    monkeypatch.setattr(paper, "EXPERIMENTS", tmp_path / "experiments")
+    assert paper.main(["run", "--launcher", "submitit_local", "--out", str(tmp_path / "figs")]) == 0
+    assert calls == [["make", "sweep", "EXP=position_modes", "LAUNCHER=submitit_local"]]
+    assert {p.name for p in (folder / "snapshot").iterdir()} == {
+        "results.parquet",
+        "streams.parquet",
+        "curves.parquet",
+    }
+    assert (tmp_path / "figs" / "position_modes" / "position_modes.png").exists()
