@@ -118,6 +118,9 @@ def test_evaluate_summary_is_consistent(model, tokens):
         pt["nll"].shape == (2, 32) and pt["lost"].shape == (2, 32, 4) and pt["sink_mass"].shape == (2, 32, 4)
     )
     assert s["ppl"] == pytest.approx(math.exp(pt["nll"].mean()), rel=1e-6)
+    assert set(np.unique(pt["correct"])) <= {0.0, 1.0} and s["top1_accuracy"] == pytest.approx(
+        pt["correct"].mean()
+    )
     assert s["ppl_second_half"] == pytest.approx(math.exp(pt["nll"][:, 16:].mean()), rel=1e-6)
     assert s["delta_nll"] == pytest.approx((pt["nll"] - pt["nll_full"]).mean(), abs=1e-6)
     assert 0 <= s["attention_lost"] <= 1 and all(0 <= m <= 1 for m in s["sink_mass_per_layer"])

@@ -144,6 +144,7 @@ def test_parallel_path_equals_token_loop(setup, name, mode):
     assert fast.path == "parallel" and loop.path == "loop"
     torch.testing.assert_close(fast.nll, loop.nll, rtol=0, atol=1e-10)
     torch.testing.assert_close(fast.kl, loop.kl, rtol=0, atol=1e-10)
+    assert torch.equal(fast.correct, loop.correct)
     torch.testing.assert_close(fast.lost, loop.lost, rtol=0, atol=1e-10)
     assert torch.equal(fast.occupancy, loop.occupancy)
 

@@ -73,6 +73,7 @@ class StreamOutput:
     agree: torch.Tensor | None = None  # [B, n] top-1 agreement with the full cache
     lost: torch.Tensor | None = None  # [B, n, L] full-cache attention on entries the policy does not hold
     sink_mass: torch.Tensor | None = None  # [B, n, L] (full-cache attention on the first positions)
+    correct: torch.Tensor | None = None  # [B, n] 1 where the policy's top-1 prediction is the true token
     seconds: float = 0.0
     policy_seconds: float = 0.0  # time inside policy scoring and victim selection
     kept: list[torch.Tensor] = field(default_factory=list)  # per layer [B, Hkv, S] final positions (loop)
@@ -188,7 +189,9 @@ def _static_output(logits, tgt, budgets, keeps, ref, path: str) -> StreamOutput:
         lost = torch.stack([1 - (a * k).sum(-1).mean(1) for a, k in zip(ref.attn, keeps, strict=True)], -1)
     steps = torch.arange(1, tgt.shape[1] + 1, device=tgt.device)
     occupancy = torch.stack([steps.clamp(max=b) for b in budgets], dim=-1)
-    return StreamOutput(nll, occupancy, path, budgets, kl, agree, lost)
+    out = StreamOutput(nll, occupancy, path, budgets, kl, agree, lost)
+    out.correct = (logp.argmax(-1) == tgt).to(logp.dtype)
+    return out
 
 
 def parallel_ok(policy: Policy, mode: PositionMode) -> bool:
@@ -324,6 +327,7 @@ def _stream_loop(
     scale = D**-0.5
 
     nll = torch.empty(B, n, dtype=dtype, device=device)
+    correct = torch.empty(B, n, dtype=dtype, device=device)
     kl = torch.empty(B, n, dtype=dtype, device=device) if ref is not None else None
     agree = torch.empty(B, n, dtype=dtype, device=device) if ref is not None else None
     lost = (
@@ -396,9 +400,10 @@ def _stream_loop(
         if generate_from is not None and t + 1 >= generate_from:
             tokens[:, t + 1] = logp.argmax(-1)  # tgt and inp are views of tokens
         nll[:, t] = -logp.gather(-1, tgt[:, t : t + 1])[:, 0]
+        correct[:, t] = logp.argmax(-1) == tgt[:, t]
         if ref is not None:
             kl[:, t], agree[:, t] = _metrics_vs_full(logp, ref, t)
-    out = StreamOutput(nll, occupancy, "loop", budgets, kl, agree, lost)
+    out = StreamOutput(nll, occupancy, "loop", budgets, kl, agree, lost, correct=correct)
     out.policy_seconds = policy_s
     out.kept = [c.pos.clone() for c in caches]
     if generate_from is not None:

@@ -147,7 +147,8 @@ def evaluate(
         parts = [getattr(o, name) for o in outs]
         return None if parts[0] is None else torch.cat(parts).float().cpu().numpy()
 
-    per_token = {k: v for k in ("nll", "kl", "agree", "lost", "sink_mass") if (v := cat(k)) is not None}
+    names = ("nll", "correct", "kl", "agree", "lost", "sink_mass")
+    per_token = {k: v for k in names if (v := cat(k)) is not None}
     nll = per_token["nll"]
     half = n // 2
     o0 = outs[0]
@@ -168,6 +169,7 @@ def evaluate(
         "ppl": math.exp(float(nll.mean())),
         "ppl_second_half": math.exp(float(nll[:, half:].mean())),
         "nll_mean": float(nll.mean()),
+        "top1_accuracy": float(per_token["correct"].mean()),
         "occupancy_max": int(o0.occupancy.max()),
         "kv_bytes": kv_bytes(model, policy, budget, T, allocation),
         "kv_bytes_full": kv_bytes(model, make_policy("full"), 0, T),
