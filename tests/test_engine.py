@@ -124,6 +124,11 @@ def test_evaluate_summary_is_consistent(model, tokens):
     assert s["ppl_second_half"] == pytest.approx(math.exp(pt["nll"][:, 16:].mean()), rel=1e-6)
     assert s["delta_nll"] == pytest.approx((pt["nll"] - pt["nll_full"]).mean(), abs=1e-6)
     assert 0 <= s["attention_lost"] <= 1 and all(0 <= m <= 1 for m in s["sink_mass_per_layer"])
+    per_head = np.array(s["first_position_mass_per_head"]).reshape(4, 4)  # layers x heads
+    ref = res.references[0]  # batch_size=1: the first stream's full-cache attention
+    expected = np.stack([a[0, :, :, 0].mean(-1).numpy() for a in ref.attn])
+    other = np.stack([a[0, :, :, 0].mean(-1).numpy() for a in res.references[1].attn])
+    np.testing.assert_allclose(per_head, (expected + other) / 2, rtol=1e-5)
     assert s["kl_mean"] > 0 and 0 < s["agreement"] < 1 and s["path"] == "loop" and s["occupancy_max"] == 8
     assert 0 < s["policy_time_share"] < 1 and s["token_steps_per_s"] > 0 and s["peak_rss_bytes"] > 0
     full = evaluate(model, tokens, make_policy("full"), 8, references=res.references)

@@ -55,6 +55,12 @@ class FullReference:
         seen = B * H * torch.arange(n, 0, -1, device=self.attn[0].device, dtype=self.attn[0].dtype)
         return torch.stack([a.sum(dim=(0, 1, 2)) / seen for a in self.attn])
 
+    def first_position_mass(self) -> torch.Tensor | None:
+        """[L, H]: attention on position 0, mean over documents and queries, per layer and head."""
+        if self.attn is None:
+            return None
+        return torch.stack([a[..., 0].mean(dim=(0, 2)) for a in self.attn])
+
     @property
     def sink_mass(self) -> torch.Tensor | None:
         """[B, n, L]: attention on the first N_SINK_DIAG positions, mean over heads."""

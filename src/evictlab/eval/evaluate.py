@@ -197,6 +197,9 @@ def evaluate(
         summary["attention_lost_per_layer"] = per_token["lost"].mean(axis=(0, 1)).tolist()
     if "sink_mass" in per_token:
         summary["sink_mass_per_layer"] = per_token["sink_mass"].mean(axis=(0, 1)).tolist()
+        first = [r.first_position_mass().float().cpu() * r.logp.shape[0] for r in refs]  # weight by streams
+        per_head = (torch.stack(first).sum(0) / N).numpy()  # [L, H]
+        summary["first_position_mass_per_head"] = per_head.reshape(-1).tolist()  # layer-major: l * H + h
     by_key = [r.attention_by_key() for r in refs]
     attention_by_key = None
     if by_key and by_key[0] is not None:  # weight each batch by its number of streams
