@@ -232,3 +232,41 @@ def greedy_divergence(
     same = p == f
     first = np.where(same.all(1), n_new, np.argmin(same, axis=1))
     return {"policy_tokens": p, "full_tokens": f, "first_divergence": first, "agreement": same.mean(1)}
+
+
+def recall_accuracy(
+    model: GPT, batch, policy: Policy, budget: int, *,
+    position_mode: PositionMode | str = PositionMode.original, allocation: str = "uniform",
+    batch_size: int = 16,
+):  # fmt: skip
+    """Per recall stream (data/recall.py): teacher-forced accuracy on the answer tokens, exact match
+    teacher-forced and by greedy decoding under the policy, and the stream's perplexity.
+
+    Returns a pandas frame with one row per stream (the oracle gets no greedy column: it cannot generate).
+    """
+    import pandas as pd
+
+    res = evaluate(model, batch.tokens, policy, budget, position_mode=position_mode, allocation=allocation,
+                   batch_size=batch_size, diagnostics=False)  # fmt: skip
+    mask = batch.answer.numpy()
+    correct, nll = res.per_token["correct"], res.per_token["nll"]
+    frame = pd.DataFrame({
+        "stream": np.arange(len(mask)), "depth": batch.depth, "needle_pos": batch.needle_pos,
+        "token_accuracy": [correct[i][mask[i]].mean() for i in range(len(mask))],
+        "exact_teacher_forced": [bool(correct[i][mask[i]].all()) for i in range(len(mask))],
+        "answer_nll": [nll[i][mask[i]].mean() for i in range(len(mask))],
+        "ppl": np.exp(nll.mean(axis=1)),
+    })  # fmt: skip
+    if not policy.needs_future:
+        exact = np.zeros(len(mask), dtype=bool)
+        for start in np.unique(batch.answer_start):  # streams whose answers start at one position
+            for n in np.unique(batch.answer_len[batch.answer_start == start]):
+                rows = np.flatnonzero((batch.answer_start == start) & (batch.answer_len == n))
+                for r0 in range(0, len(rows), batch_size):
+                    idx = torch.from_numpy(rows[r0 : r0 + batch_size])
+                    prompt = batch.tokens[idx, :start]
+                    out = generate(model, prompt, policy, budget, int(n), position_mode=position_mode,
+                                   allocation=allocation, doc=idx)  # fmt: skip
+                    exact[idx.numpy()] = (out == batch.tokens[idx, start : start + n]).all(1).numpy()
+        frame["exact_greedy"] = exact
+    return frame

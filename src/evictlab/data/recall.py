@@ -1,0 +1,72 @@
+"""A long-range recall task: filler text with a pass key planted at a controlled depth and asked for at
+the end (passkey retrieval, as in Mohtashami & Jaggi 2023 / the StreamingLLM paper's evaluations).
+
+Each stream is  prefix + filler[:k] + NEEDLE + filler[k:] + QUERY + ANSWER,  exactly `length` tokens,
+with the needle at depth d = k / len(filler). Segments are tokenized separately, so the answer's token
+positions are exact for every tokenizer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from evictlab.data.dataset import Corpus
+from evictlab.errors import ConfigError
+
+NEEDLE = " The pass key is {v}. Remember it. {v} is the pass key. "
+QUERY = " What is the pass key? The pass key is"
+ANSWER = " {v}"
+
+
+@dataclass
+class RecallBatch:
+    tokens: torch.Tensor  # [N, T]
+    answer: torch.Tensor  # [N, T-1] bool: steps whose target is an answer token
+    answer_start: np.ndarray  # [N] position of the first answer token in the stream
+    answer_len: np.ndarray  # [N]
+    depth: np.ndarray  # [N] requested needle depth (fraction of the filler before the needle)
+    needle_pos: np.ndarray  # [N] position of the needle's first token
+    values: list[str]
+
+
+def recall_streams(
+    corpus: Corpus, n_per_depth: int, length: int, sink_token: bool, depths=(0.1, 0.3, 0.5, 0.7, 0.9),
+    seed: int = 0, split: str = "test", digits: int = 5,
+) -> RecallBatch:  # fmt: skip
+    """n_per_depth streams of `length` tokens for each depth, filler from the split's text."""
+    if not all(0 <= d <= 1 for d in depths) or n_per_depth < 1:
+        raise ConfigError(
+            f"recall depths must be in [0, 1] and n_per_depth >= 1 (got {depths}, {n_per_depth})"
+        )
+    tok, rng = corpus.tokenizer, np.random.default_rng(seed)
+    prefix = np.asarray(corpus.prefix(sink_token), dtype=np.int64)
+    filler = corpus.splits[split].ids
+    query = tok.encode(QUERY)
+    rows, starts, lens, depth_of, needles, values = [], [], [], [], [], []
+    for d in depths:
+        for _ in range(n_per_depth):
+            v = "".join(str(x) for x in rng.integers(0, 10, size=digits))
+            needle, answer = tok.encode(NEEDLE.format(v=v)), tok.encode(ANSWER.format(v=v))
+            body = length - len(prefix) - len(needle) - len(query) - len(answer)
+            if body < 1 or body > len(filler):
+                raise ConfigError(f"recall: eval.stream_len={length} leaves {body} filler tokens; "
+                                  f"need 1 .. {len(filler)}")  # fmt: skip
+            start = int(rng.integers(0, len(filler) - body + 1))
+            fill = filler[start : start + body]
+            k = int(round(d * body))
+            seq = np.concatenate((prefix, fill[:k], needle, fill[k:], query, answer))
+            rows.append(seq)
+            starts.append(length - len(answer))
+            lens.append(len(answer))
+            depth_of.append(d)
+            needles.append(len(prefix) + k)
+            values.append(v)
+    tokens = torch.from_numpy(np.stack(rows).astype(np.int64))
+    answer = torch.zeros(tokens.shape[0], length - 1, dtype=torch.bool)
+    for i, (s, n) in enumerate(zip(starts, lens, strict=True)):
+        answer[i, s - 1 : s - 1 + n] = True  # step t predicts token t + 1
+    arrays = [np.array(a) for a in (starts, lens, depth_of, needles)]
+    return RecallBatch(tokens, answer, *arrays, values)

@@ -1,0 +1,65 @@
+"""The pass-key recall task: stream construction, and accuracy teacher-forced and by greedy decoding."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from evictlab.cache import make_policy
+from evictlab.data import load_corpus
+from evictlab.data.recall import ANSWER, NEEDLE, QUERY, recall_streams
+from evictlab.errors import ConfigError
+from evictlab.eval.engine import generate
+from evictlab.eval.evaluate import recall_accuracy
+from tests.conftest import make_cfg
+
+
+@pytest.fixture(scope="module")
+def corpus(session_outputs):
+    cfg = make_cfg(session_outputs)
+    return load_corpus(cfg.dataset, cfg.tokenizer, cfg.outputs)
+
+
+def test_streams_plant_the_needle_at_the_depth_and_ask_at_the_end(corpus):
+    b = recall_streams(corpus, 2, 400, sink_token=False, depths=(0.0, 0.5, 1.0), seed=3)
+    tok = corpus.tokenizer
+    assert b.tokens.shape == (6, 400) and (b.tokens[:, 0] == tok.bos_id).all()
+    for i in range(6):
+        v = b.values[i]
+        row = b.tokens[i].tolist()
+        s, n = b.answer_start[i], b.answer_len[i]
+        assert tok.decode(row[s : s + n]) == ANSWER.format(v=v) and s + n == 400
+        assert tok.decode(row[s - len(QUERY) : s]) == QUERY
+        needle = NEEDLE.format(v=v)
+        assert tok.decode(row[b.needle_pos[i] : b.needle_pos[i] + len(needle)]) == needle
+        assert b.answer[i].sum() == n and b.answer[i, s - 1 : s - 1 + n].all()
+    pos = b.needle_pos.reshape(3, 2)
+    assert (pos[0] == 1).all() and (pos[1] > pos[0]).all() and (pos[2] > pos[1]).all()
+    again = recall_streams(corpus, 2, 400, sink_token=False, depths=(0.0, 0.5, 1.0), seed=3)
+    assert torch.equal(again.tokens, b.tokens) and again.values == b.values
+    with pytest.raises(ConfigError, match="filler tokens"):
+        recall_streams(corpus, 1, 60, sink_token=False)
+
+
+@pytest.mark.parametrize("name", ["full", "window", "streaming_llm", "h2o", "recompute_window"])
+def test_greedy_exact_match_equals_teacher_forced_exact_match(tiny_checkpoint, corpus, name):
+    """Until its first wrong token, greedy decoding sees the true answer prefix, so a causal policy's
+    greedy exact match and teacher-forced exact match must agree stream by stream."""
+    model = tiny_checkpoint.model
+    b = recall_streams(corpus, 3, 200, sink_token=False, depths=(0.2, 0.8), seed=0)
+    # make some answers the model's own greedy continuation, so both kinds of outcome occur
+    for i in range(0, len(b.values), 2):
+        s, n = int(b.answer_start[i]), int(b.answer_len[i])
+        b.tokens[i, s : s + n] = generate(model, b.tokens[i : i + 1, :s], make_policy(name), 32, n)[0]
+    f = recall_accuracy(model, b, make_policy(name), 32, batch_size=4)
+    assert len(f) == 6 and set(f["depth"]) == {0.2, 0.8}
+    assert (f["exact_greedy"] == f["exact_teacher_forced"]).all()
+    assert f["exact_greedy"].iloc[::2].all()  # the planted greedy answers are recalled exactly
+    assert ((0 <= f["token_accuracy"]) & (f["token_accuracy"] <= 1)).all() and (f["ppl"] > 1).all()
+
+
+def test_oracle_recall_is_teacher_forced_only(tiny_checkpoint, corpus):
+    b = recall_streams(corpus, 1, 200, sink_token=False, depths=(0.5,), seed=1)
+    f = recall_accuracy(tiny_checkpoint.model, b, make_policy("oracle"), 32)
+    assert "exact_greedy" not in f and np.isfinite(f["answer_nll"]).all()
