@@ -63,3 +63,24 @@ def test_oracle_recall_is_teacher_forced_only(tiny_checkpoint, corpus):
     b = recall_streams(corpus, 1, 200, sink_token=False, depths=(0.5,), seed=1)
     f = recall_accuracy(tiny_checkpoint.model, b, make_policy("oracle"), 32)
     assert "exact_greedy" not in f and np.isfinite(f["answer_nll"]).all()
+
+
+def test_a_recall_run_records_accuracy_by_depth(tmp_path):
+    import json
+
+    import pandas as pd
+
+    from evictlab import run as run_mod
+    from tests.test_pipeline import cfg_for
+
+    overrides = ["strategy=h2o", "budget=b32", "logger=none", "eval.task=recall", "eval.stream_len=160",
+                 "eval.recall_per_depth=2", "eval.recall_depths=[0.25,0.75]"]  # fmt: skip
+    cfg = cfg_for(tmp_path / "outputs", *overrides)
+    m = run_mod.run(cfg)
+    rec = pd.read_parquet(run_mod.run_dir(cfg) / "recall.parquet")
+    assert len(rec) == 4 and m["n_streams"] == 4 and m["recall_depths"] == [0.25, 0.75]
+    assert len(m["recall_exact_greedy_by_depth"]) == 2
+    assert m["recall_exact_teacher_forced"] == pytest.approx(rec["exact_teacher_forced"].mean())
+    assert json.loads((run_mod.run_dir(cfg) / "metrics.json").read_text())["status"] == "ok"
+    with pytest.raises(ConfigError, match="recall_depths"):
+        cfg_for(tmp_path / "outputs", "eval.task=recall", "eval.recall_depths=[1.5]")

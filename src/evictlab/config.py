@@ -108,6 +108,11 @@ class BudgetConfig:
         return max(1, round(self.fraction * (stream_len - 1)))
 
 
+class EvalTask(str, Enum):
+    lm = "lm"  # streaming language modelling on the split's text
+    recall = "recall"  # pass-key streams (data/recall.py): recall accuracy by needle depth
+
+
 @dataclass
 class EvalConfig:
     n_streams: int = 8
@@ -123,6 +128,9 @@ class EvalConfig:
     threads: int = 1  # torch threads per run (sweeps run several runs at once)
     progress: bool = False
     generate_tokens: int = 0  # > 0: greedy continuations of this many tokens vs the full cache's
+    task: EvalTask = EvalTask.lm
+    recall_depths: list[float] = field(default_factory=lambda: [0.1, 0.3, 0.5, 0.7, 0.9])
+    recall_per_depth: int = 4  # streams per depth (task=recall; eval.n_streams is ignored)
 
     def __post_init__(self) -> None:
         for key in ("n_streams", "batch_size"):
@@ -134,6 +142,8 @@ class EvalConfig:
             raise ConfigError(f"eval.split={self.split!r} must be train, val or test")
         if self.threads < 0:
             raise ConfigError(f"eval.threads={self.threads} must be >= 0")
+        if not all(0 <= d <= 1 for d in self.recall_depths) or self.recall_per_depth < 1:
+            raise ConfigError("eval.recall_depths must lie in [0, 1] and eval.recall_per_depth must be >= 1")
         if not 0 <= self.generate_tokens < self.stream_len:
             raise ConfigError(f"eval.generate_tokens={self.generate_tokens} must be in [0, eval.stream_len)")
         check_device("eval.device", self.device)

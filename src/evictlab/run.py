@@ -27,8 +27,9 @@ from filelock import FileLock
 
 from evictlab.config import Config, to_objects
 from evictlab.data.dataset import load_corpus
+from evictlab.data.recall import recall_streams
 from evictlab.errors import ConfigError
-from evictlab.eval.evaluate import eval_streams, evaluate, greedy_divergence
+from evictlab.eval.evaluate import eval_streams, evaluate, greedy_divergence, recall_accuracy
 from evictlab.perf import set_threads
 from evictlab.store import (
     git_info,
@@ -173,8 +174,14 @@ def _evaluate(cfg: Config, key: str, out: Path) -> dict[str, Any]:
         raise ConfigError(
             "eval.position_mode=cache needs RoPE; this checkpoint has learned absolute positions"
         )
-    tokens = eval_streams(corpus, cfg.eval.n_streams, cfg.eval.stream_len, cfg.model.sink_token,
-                          cfg.eval.stream_source, cfg.eval.split, seed=cfg.seed).to(device)  # fmt: skip
+    recall = None
+    if cfg.eval.task.value == "recall":
+        recall = recall_streams(corpus, cfg.eval.recall_per_depth, cfg.eval.stream_len, cfg.model.sink_token,
+                                tuple(cfg.eval.recall_depths), cfg.seed, cfg.eval.split)  # fmt: skip
+        tokens = recall.tokens.to(device)
+    else:
+        tokens = eval_streams(corpus, cfg.eval.n_streams, cfg.eval.stream_len, cfg.model.sink_token,
+                              cfg.eval.stream_source, cfg.eval.split, seed=cfg.seed).to(device)  # fmt: skip
     policy = cfg.strategy.build()
     res = evaluate(
         model, tokens, policy, cfg.resolved_budget,
@@ -202,6 +209,23 @@ def _evaluate(cfg: Config, key: str, out: Path) -> dict[str, Any]:
         "checkpoint_val_bpb": ck.meta.get("val_bpb"),
         **res.summary,
     }
+    if recall is not None:
+        rec = recall_accuracy(model, recall, policy, cfg.resolved_budget,
+                              position_mode=cfg.eval.position_mode, allocation=cfg.eval.allocation.value,
+                              batch_size=cfg.eval.batch_size, result=res)  # fmt: skip
+        write_atomic(out / "recall.parquet", lambda p: rec.to_parquet(p, index=False))
+        by_depth = rec.groupby("depth")
+        metrics |= {
+            "recall_depths": [float(d) for d in by_depth.groups],
+            "recall_token_accuracy": float(rec["token_accuracy"].mean()),
+            "recall_exact_teacher_forced": float(rec["exact_teacher_forced"].mean()),
+            "recall_exact_teacher_forced_by_depth": by_depth["exact_teacher_forced"].mean().tolist(),
+        }
+        if "exact_greedy" in rec:
+            metrics |= {
+                "recall_exact_greedy": float(rec["exact_greedy"].mean()),
+                "recall_exact_greedy_by_depth": by_depth["exact_greedy"].mean().tolist(),
+            }
     generations = None
     if cfg.eval.generate_tokens and not policy.needs_future:  # the oracle cannot generate (no future)
         g = greedy_divergence(

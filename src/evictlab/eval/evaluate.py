@@ -237,17 +237,18 @@ def greedy_divergence(
 def recall_accuracy(
     model: GPT, batch, policy: Policy, budget: int, *,
     position_mode: PositionMode | str = PositionMode.original, allocation: str = "uniform",
-    batch_size: int = 16,
+    batch_size: int = 16, result: EvalResult | None = None,
 ):  # fmt: skip
     """Per recall stream (data/recall.py): teacher-forced accuracy on the answer tokens, exact match
     teacher-forced and by greedy decoding under the policy, and the stream's perplexity.
 
+    `result`: an `evaluate` of these streams already made (its per-token arrays are reused).
     Returns a pandas frame with one row per stream (the oracle gets no greedy column: it cannot generate).
     """
     import pandas as pd
 
-    res = evaluate(model, batch.tokens, policy, budget, position_mode=position_mode, allocation=allocation,
-                   batch_size=batch_size, diagnostics=False)  # fmt: skip
+    res = result or evaluate(model, batch.tokens, policy, budget, position_mode=position_mode,
+                             allocation=allocation, batch_size=batch_size, diagnostics=False)  # fmt: skip
     mask = batch.answer.numpy()
     correct, nll = res.per_token["correct"], res.per_token["nll"]
     frame = pd.DataFrame({
