@@ -149,3 +149,26 @@ def test_ngram_baselines_on_a_known_stream(session_outputs: Path):
     uni = ngram_bits_per_byte(corpus.splits["train"], corpus.splits["val"], corpus.tokenizer.vocab_size, 1)
     bi = ngram_bits_per_byte(corpus.splits["train"], corpus.splits["val"], corpus.tokenizer.vocab_size, 2)
     assert 4.0 < uni < 5.5 and 2.5 < bi < uni  # English bytes: ~4.5 bits unigram, ~3.3 bigram
+
+
+def test_recall_share_mixes_pass_key_documents_into_training(session_outputs: Path):
+    from evictlab.data.recall import QUERY
+
+    cfg = make_cfg(session_outputs)
+    corpus = load_corpus(cfg.dataset, cfg.tokenizer, cfg.outputs)
+    query = corpus.tokenizer.encode(QUERY).tolist()
+
+    def has_query(row) -> bool:
+        r = row.tolist()
+        return any(r[i : i + len(query)] == query for i in range(len(r) - len(query) + 1))
+
+    x, y = WindowSampler(corpus.splits["train"], corpus, 128, False, seed=0, recall_share=0.5).batch(64)
+    assert x.shape == (64, 128) and (x[:, 0] == corpus.tokenizer.bos_id).all()
+    mixed = sum(has_query(r) for r in x)
+    assert 15 < mixed < 50  # about half
+    x2, _ = WindowSampler(corpus.splits["train"], corpus, 128, False, seed=0, recall_share=0.5).batch(64)
+    assert torch.equal(x, x2)  # deterministic
+    plain, _ = WindowSampler(corpus.splits["train"], corpus, 128, False, seed=0).batch(64)
+    assert sum(has_query(r) for r in plain) == 0
+    with pytest.raises(Exception, match="recall_share"):
+        make_cfg(session_outputs, "train.recall_share=1.0")

@@ -64,7 +64,15 @@ class WindowSampler:
     loss counts text tokens only (and converts exactly to bits per byte).
     """
 
-    def __init__(self, split: TokenSplit, corpus: Corpus, seq_len: int, sink_token: bool, seed: int):
+    def __init__(
+        self,
+        split: TokenSplit,
+        corpus: Corpus,
+        seq_len: int,
+        sink_token: bool,
+        seed: int,
+        recall_share: float = 0.0,
+    ):
         self.prefix = np.asarray(corpus.prefix(sink_token), dtype=np.int64)
         self.stream = split.stream(corpus.tokenizer.bos_id if corpus.bos else None)
         self.body = seq_len + 1 - len(self.prefix)  # tokens taken from the stream per sample
@@ -75,11 +83,19 @@ class WindowSampler:
             )
         self.specials = [corpus.tokenizer.bos_id, corpus.tokenizer.sink_id]
         self.rng = np.random.default_rng(seed)
+        self.recall_share, self.split, self.tok, self.seq_len = recall_share, split, corpus.tokenizer, seq_len
 
     def batch(self, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
         """x, y: [batch_size, seq_len] int64; y = -1 where the target is a special token."""
         starts = self.rng.integers(0, len(self.stream) - self.body + 1, size=batch_size)
         rows = [np.concatenate((self.prefix, self.stream[s : s + self.body])) for s in starts]
+        if self.recall_share > 0:  # replace a share of the samples by pass-key documents (data/recall.py)
+            from evictlab.data.recall import make_recall_sequence
+
+            for i in np.flatnonzero(self.rng.random(batch_size) < self.recall_share):
+                depth = float(self.rng.random())
+                rows[i] = make_recall_sequence(self.tok, self.prefix, self.split.ids, self.seq_len + 1, depth,
+                                               self.rng)[0]  # fmt: skip
         seq = torch.from_numpy(np.stack(rows))
         x, y = seq[:, :-1], seq[:, 1:].clone()
         y[torch.isin(y, torch.tensor(self.specials))] = -1
@@ -151,7 +167,9 @@ def train_model(cfg: Config, corpus: Corpus) -> tuple[GPT, dict[str, Any]]:
     device = torch.device(tc.device)
     torch.manual_seed(tc.seed)
     model = GPT(mc).to(device)
-    train_s = WindowSampler(corpus.splits["train"], corpus, tc.seq_len, mc.sink_token, tc.seed)
+    train_s = WindowSampler(
+        corpus.splits["train"], corpus, tc.seq_len, mc.sink_token, tc.seed, tc.recall_share
+    )
     # Fixed evaluation windows, drawn from their own generators so they never move the training stream.
     val_s = WindowSampler(corpus.splits["val"], corpus, tc.seq_len, mc.sink_token, seed=10_000 + tc.seed)
     fixed_train = WindowSampler(

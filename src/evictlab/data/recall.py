@@ -32,6 +32,25 @@ class RecallBatch:
     values: list[str]
 
 
+def make_recall_sequence(
+    tok, prefix: np.ndarray, filler: np.ndarray, length: int, depth: float, rng: np.random.Generator,
+    digits: int = 5,
+) -> tuple[np.ndarray, int, int, int, str]:  # fmt: skip
+    """One pass-key sequence of exactly `length` tokens: (ids, answer_start, answer_len, needle_pos, key)."""
+    v = "".join(str(x) for x in rng.integers(0, 10, size=digits))
+    needle, query, answer = tok.encode(NEEDLE.format(v=v)), tok.encode(QUERY), tok.encode(ANSWER.format(v=v))
+    body = length - len(prefix) - len(needle) - len(query) - len(answer)
+    if body < 1 or body > len(filler):
+        raise ConfigError(
+            f"recall: a stream of {length} tokens leaves {body} filler tokens; need 1 .. {len(filler)}"
+        )
+    start = int(rng.integers(0, len(filler) - body + 1))
+    fill = filler[start : start + body]
+    k = int(round(depth * body))
+    seq = np.concatenate((prefix, fill[:k], needle, fill[k:], query, answer)).astype(np.int64)
+    return seq, length - len(answer), len(answer), len(prefix) + k, v
+
+
 def recall_streams(
     corpus: Corpus, n_per_depth: int, length: int, sink_token: bool, depths=(0.1, 0.3, 0.5, 0.7, 0.9),
     seed: int = 0, split: str = "test", digits: int = 5,
@@ -41,28 +60,20 @@ def recall_streams(
         raise ConfigError(
             f"recall depths must be in [0, 1] and n_per_depth >= 1 (got {depths}, {n_per_depth})"
         )
-    tok, rng = corpus.tokenizer, np.random.default_rng(seed)
+    rng = np.random.default_rng(seed)
     prefix = np.asarray(corpus.prefix(sink_token), dtype=np.int64)
     filler = corpus.splits[split].ids
-    query = tok.encode(QUERY)
     rows, starts, lens, depth_of, needles, values = [], [], [], [], [], []
     for d in depths:
         for _ in range(n_per_depth):
-            v = "".join(str(x) for x in rng.integers(0, 10, size=digits))
-            needle, answer = tok.encode(NEEDLE.format(v=v)), tok.encode(ANSWER.format(v=v))
-            body = length - len(prefix) - len(needle) - len(query) - len(answer)
-            if body < 1 or body > len(filler):
-                raise ConfigError(f"recall: eval.stream_len={length} leaves {body} filler tokens; "
-                                  f"need 1 .. {len(filler)}")  # fmt: skip
-            start = int(rng.integers(0, len(filler) - body + 1))
-            fill = filler[start : start + body]
-            k = int(round(d * body))
-            seq = np.concatenate((prefix, fill[:k], needle, fill[k:], query, answer))
+            seq, start, n, needle, v = make_recall_sequence(
+                corpus.tokenizer, prefix, filler, length, d, rng, digits
+            )
             rows.append(seq)
-            starts.append(length - len(answer))
-            lens.append(len(answer))
+            starts.append(start)
+            lens.append(n)
             depth_of.append(d)
-            needles.append(len(prefix) + k)
+            needles.append(needle)
             values.append(v)
     tokens = torch.from_numpy(np.stack(rows).astype(np.int64))
     answer = torch.zeros(tokens.shape[0], length - 1, dtype=torch.bool)
