@@ -124,6 +124,15 @@ def synthetic_attention() -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+def synthetic_recall() -> pd.DataFrame:
+    rows = [{"strategy": s, "budget": b, "position_mode": "original", "depth": d, "stream": i,
+             "exact_greedy": bool((s == "full") or (d > 0.5) or (b >= 64)),
+             "exact_teacher_forced": bool((s == "full") or (d > 0.5) or (b >= 64))}
+            for s in ("full", "window", "h2o") for b in (16, 64) for d in (0.1, 0.5, 0.9)
+            for i in range(2)]  # fmt: skip
+    return pd.DataFrame(rows)
+
+
 FIGS = [
     (
         "ppl_vs_budget",
@@ -144,6 +153,7 @@ FIGS = [
     ("sink_mass", lambda: F.sink_mass(synthetic_runs()), "layer", "% attention"),
     ("position_modes", lambda: F.position_modes(synthetic_streams()), "", "perplexity"),
     ("attention_heatmap", lambda: F.attention_heatmap(synthetic_attention()), "key position", "layer"),
+    ("recall_heatmaps", lambda: F.recall_heatmaps(synthetic_recall()), "budget", "needle depth"),
 ]
 
 

@@ -82,5 +82,11 @@ def test_a_recall_run_records_accuracy_by_depth(tmp_path):
     assert len(m["recall_exact_greedy_by_depth"]) == 2
     assert m["recall_exact_teacher_forced"] == pytest.approx(rec["exact_teacher_forced"].mean())
     assert json.loads((run_mod.run_dir(cfg) / "metrics.json").read_text())["status"] == "ok"
+    from evictlab.analysis.aggregate import aggregate
+    from evictlab.analysis.report import build_figures
+
+    tables = aggregate([run_mod.run_dir(cfg).parent])
+    assert len(tables["recall"]) == 4 and set(tables["recall"]["strategy"]) == {"h2o"}
+    assert "recall_heatmaps" in build_figures(tables)
     with pytest.raises(ConfigError, match="recall_depths"):
         cfg_for(tmp_path / "outputs", "eval.task=recall", "eval.recall_depths=[1.5]")

@@ -25,7 +25,7 @@ from evictlab.analysis.aggregate import wide
 from evictlab.store import REPO_ROOT, outputs_dir
 
 EXPERIMENTS = REPO_ROOT / "experiments"
-TABLES = ("results", "streams", "curves", "attention")
+TABLES = ("results", "streams", "curves", "attention", "recall")
 
 # figure name -> (function, the table it reads: streams | curves | runs | attention)
 FIGURES = {
@@ -38,6 +38,7 @@ FIGURES = {
     "sink_mass": (F.sink_mass, "runs"),
     "attention_heatmap": (F.attention_heatmap, "attention"),
     "position_modes": (F.position_modes, "streams"),
+    "recall_heatmaps": (F.recall_heatmaps, "recall"),
 }
 
 

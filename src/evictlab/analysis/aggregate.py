@@ -7,6 +7,7 @@ Writes into the (first) sweep dir, or --out:
   streams.parquet  one row per run x stream: mean NLL (and KL) of that stream (for bootstrap CIs)
   curves.parquet   one row per run x position bucket (log-spaced): mean NLL / KL / attention lost
   attention.parquet  full-cache runs: mean attention by layer x key position (where the model attends)
+  recall.parquet   eval.task=recall runs: one row per run x pass-key stream (depth, exact matches)
   failures.csv     every run whose metrics.json is missing or says failed, with its error, and every
                    stale run (written by an older run format: its numbers may mean something else)
 """
@@ -77,7 +78,7 @@ def load_run(d: Path) -> tuple[dict[str, Any] | None, dict[str, Any] | None, pd.
 
 def aggregate(sweeps: list[Path], out: Path | None = None) -> dict[str, pd.DataFrame]:
     """Build the tables (and write them when `out` is given)."""
-    rows, stream_rows, curve_rows, attn_frames, failures = [], [], [], [], []
+    rows, stream_rows, curve_rows, attn_frames, recall_frames, failures = [], [], [], [], [], []
     for d in run_dirs(sweeps):
         metrics, cfg, pt = load_run(d)
         stale = (
@@ -111,6 +112,8 @@ def aggregate(sweeps: list[Path], out: Path | None = None) -> dict[str, pd.DataF
         c["position"] = [float(np.sqrt(edges[b] * edges[min(b + 1, len(edges) - 1)])) for b in c["bucket"]]
         c["position_start"] = edges[c["bucket"]]
         curve_rows += [base | r for r in c.to_dict("records")]
+        if (d / "recall.parquet").exists():
+            recall_frames.append(pd.read_parquet(d / "recall.parquet").assign(**base))
         if metrics.get("strategy") == "full" and (d / "attention.parquet").exists():
             attn_frames.append(pd.read_parquet(d / "attention.parquet").assign(**base))
     tables = {
@@ -118,13 +121,14 @@ def aggregate(sweeps: list[Path], out: Path | None = None) -> dict[str, pd.DataF
         "streams": pd.DataFrame(stream_rows),
         "curves": pd.DataFrame(curve_rows),
         "attention": pd.concat(attn_frames, ignore_index=True) if attn_frames else pd.DataFrame(),
+        "recall": pd.concat(recall_frames, ignore_index=True) if recall_frames else pd.DataFrame(),
         "failures": pd.DataFrame(
             failures, columns=["run_dir", "status", "error", "strategy", "budget_name", "seed"]
         ),
     }
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
-        for name in ("results", "streams", "curves", "attention"):
+        for name in ("results", "streams", "curves", "attention", "recall"):
             write_atomic(out / f"{name}.parquet", lambda p, t=tables[name]: t.to_parquet(p, index=False))
         write_atomic(out / "failures.csv", lambda p: tables["failures"].to_csv(p, index=False))
     return tables

@@ -268,3 +268,27 @@ def attention_heatmap(attention: pd.DataFrame) -> Figure:
     plt.setp(ax.get_xticklabels(), rotation=45, ha="right", fontsize=7)
     fig.tight_layout()
     return fig
+
+
+def recall_heatmaps(recall: pd.DataFrame, column: str = "exact_greedy", mode: str = "original") -> Figure:
+    """Recall accuracy by needle depth x budget, one heatmap per policy: where windowed and score-based
+    policies differ most."""
+    theme()
+    r = recall[recall["position_mode"] == mode]
+    if column not in r or r[column].isna().all():
+        column = "exact_teacher_forced"
+    names = ordered(r["strategy"])
+    fig, axes = plt.subplots(1, len(names), figsize=(2.6 * len(names) + 1.2, 3.4), squeeze=False, sharey=True)
+    for ax, name in zip(axes[0], names, strict=True):
+        g = r[r["strategy"] == name].pivot_table(
+            index="depth", columns="budget", values=column, aggfunc="mean"
+        )
+        sns.heatmap(100 * g.astype(float), ax=ax, vmin=0, vmax=100, cmap="viridis", annot=True, fmt=".0f",
+                    cbar=ax is axes[0][-1], cbar_kws={"label": "% recalled"})  # fmt: skip
+        ax.set_title(label(name))
+        ax.set_xlabel("budget")
+        ax.set_ylabel("needle depth" if ax is axes[0][0] else "")
+    what = "greedy decoding" if column == "exact_greedy" else "teacher-forced"
+    fig.suptitle(f"Pass-key recall, exact match by {what} ({mode} positions)")
+    fig.tight_layout()
+    return fig

@@ -42,6 +42,8 @@ def build_figures(tables: dict[str, pd.DataFrame]) -> dict[str, Figure]:
     figs["throughput"] = F.throughput(runs)
     if any(c.startswith("sink_mass_per_layer[") for c in runs):
         figs["sink_mass"] = F.sink_mass(runs)
+    if not tables.get("recall", pd.DataFrame()).empty:
+        figs["recall_heatmaps"] = F.recall_heatmaps(tables["recall"], mode=mode)
     if not tables.get("attention", pd.DataFrame()).empty:
         figs["attention_heatmap"] = F.attention_heatmap(tables["attention"])
     if {"original", "cache"} <= modes:
