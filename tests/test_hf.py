@@ -19,24 +19,25 @@ from evictlab.models.hf import load_hf_model
 V = 97
 
 
-def _build(kind: str):
+def _build(kind: str, vocab: int = V):
     t = transformers
     if kind == "gpt2":
-        return t.GPT2LMHeadModel(t.GPT2Config(vocab_size=V, n_positions=64, n_embd=32, n_layer=2, n_head=4,
-                                              bos_token_id=0, eos_token_id=0))  # fmt: skip
+        cfg = t.GPT2Config(vocab_size=vocab, n_positions=64, n_embd=32, n_layer=2, n_head=4, bos_token_id=0,
+                           eos_token_id=0)  # fmt: skip
+        return t.GPT2LMHeadModel(cfg)
     if kind == "llama":  # grouped-query attention, untied head, non-default rope_theta
-        cfg = t.LlamaConfig(vocab_size=V, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+        cfg = t.LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
                             rope_theta=5000.0, tie_word_embeddings=False, bos_token_id=0,
                             eos_token_id=0)  # fmt: skip
         return t.LlamaForCausalLM(cfg)
     if kind == "qwen2":  # q/k/v biases, tied head
-        cfg = t.Qwen2Config(vocab_size=V, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+        cfg = t.Qwen2Config(vocab_size=vocab, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
                             tie_word_embeddings=True, bos_token_id=0, eos_token_id=0)  # fmt: skip
         return t.Qwen2ForCausalLM(cfg)
     if kind == "gpt_neox":  # partial rotary, parallel residual, untied head
-        cfg = t.GPTNeoXConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        cfg = t.GPTNeoXConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                               num_attention_heads=4, max_position_embeddings=64, rotary_pct=0.5,
                               use_parallel_residual=True, tie_word_embeddings=False, bos_token_id=0,
                               eos_token_id=0)  # fmt: skip
@@ -136,13 +137,8 @@ def _save_with_tokenizer(kind: str, path: Path) -> None:
     tok.train_from_iterator(list(topics.values())[:20], trainer=trainer)
     fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|endoftext|>",
                                                 eos_token="<|endoftext|>")  # fmt: skip
-    global V
-    saved_v, V = V, len(fast)
-    try:
-        torch.manual_seed(0)
-        model = _build(kind)
-    finally:
-        V = saved_v
+    torch.manual_seed(0)
+    model = _build(kind, vocab=len(fast))
     model.save_pretrained(path)
     fast.save_pretrained(path)
 

@@ -17,12 +17,12 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from evictlab.cache.budget import Allocation, allocate
+from evictlab.cache.budget import Allocation
 from evictlab.cache.policies import POLICIES, Policy, make_policy
 from evictlab.data.corpora import DatasetConfig
 from evictlab.data.tokenizers import TokenizerConfig
 from evictlab.errors import ConfigError
-from evictlab.eval.engine import PositionMode
+from evictlab.eval.engine import PositionMode, budgets_for
 from evictlab.eval.evaluate import StreamSource
 from evictlab.models.gpt import GPTConfig, PosEmb
 from evictlab.store import REPO_ROOT
@@ -220,17 +220,8 @@ class Config:
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise ConfigError(f"seed={self.seed!r} must be an integer")
         check_device("train.device", self.train.device)
-        policy = self.strategy.build()
-        if policy.evicts:
-            budget = self.budget.resolve(self.eval.stream_len)
-            for layer, b in enumerate(allocate(budget, self.model.n_layer, self.eval.allocation)):
-                try:
-                    policy.validate(b)
-                except ConfigError as e:
-                    where = f" (layer {layer}, eval.allocation={self.eval.allocation.value})"
-                    raise ConfigError(
-                        f"{e}{where if self.eval.allocation is Allocation.pyramid else ''}"
-                    ) from None
+        n = self.eval.stream_len - 1  # the same per-layer checks the engine makes, before any work
+        budgets_for(self.model.n_layer, self.strategy.build(), self.resolved_budget, self.eval.allocation, n)
 
     @property
     def resolved_budget(self) -> int:

@@ -57,10 +57,9 @@ def run_dirs(sweeps: list[Path]) -> list[Path]:
     return dirs
 
 
-def position_buckets(n: int) -> np.ndarray:
-    """Log-spaced bucket edges over positions 1..n (at most ~40 buckets, every position at the start)."""
-    edges = np.unique(np.round(np.geomspace(1, n + 1, num=40)).astype(int))
-    return edges
+def position_buckets(n: int, num: int = 40) -> np.ndarray:
+    """Log-spaced bucket edges over positions 1..n (at most `num` buckets, every position at the start)."""
+    return np.unique(np.round(np.geomspace(1, n + 1, num=num)).astype(int))
 
 
 def load_run(d: Path) -> tuple[dict[str, Any] | None, dict[str, Any] | None, pd.DataFrame | None]:

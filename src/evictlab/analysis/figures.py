@@ -14,6 +14,8 @@ import pandas as pd  # noqa: E402
 import seaborn as sns  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 
+from evictlab.analysis.aggregate import position_buckets  # noqa: E402
+
 POLICY_ORDER = [
     "full", "window", "streaming_llm", "recompute_window", "h2o", "tova", "scissorhands", "l2norm", "random",
     "oracle",
@@ -252,7 +254,7 @@ def attention_heatmap(attention: pd.DataFrame) -> Figure:
     theme()
     a = attention.groupby(["layer", "key_position"], as_index=False)["attention"].mean()
     n = int(a["key_position"].max()) + 1
-    edges = np.unique(np.round(np.geomspace(1, n + 1, num=24)).astype(int)) - 1  # start at position 0
+    edges = position_buckets(n, num=24) - 1  # key positions start at 0
     a["bucket"] = np.searchsorted(edges, a["key_position"].to_numpy(), side="right") - 1
     grid = a.pivot_table(index="layer", columns="bucket", values="attention", aggfunc="mean")
     ends = np.append(edges[1:] - 1, n - 1)  # last position of each bucket

@@ -104,16 +104,17 @@ def _ranks(pos: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(pos).scatter_(-1, order, ar)
 
 
-def budgets_for(model: GPT, policy: Policy, budget: int, allocation: str, n: int) -> list[int]:
+def budgets_for(n_layer: int, policy: Policy, budget: int, allocation: Allocation | str, n: int) -> list[int]:
     """Per-layer budgets, validated for the policy (full keeps all n entries)."""
     if not policy.evicts:
-        return [n] * model.cfg.n_layer
-    budgets = allocate(budget, model.cfg.n_layer, allocation)
+        return [n] * n_layer
+    budgets = allocate(budget, n_layer, allocation)
     for l, b in enumerate(budgets):
         try:
             policy.validate(b)
         except ConfigError as e:
-            where = "" if len(set(budgets)) == 1 else f" (layer {l} of the {allocation} allocation)"
+            kind = Allocation(allocation).value
+            where = "" if len(set(budgets)) == 1 else f" (layer {l} of the {kind} allocation)"
             raise ConfigError(f"{e}{where}") from None
     return budgets
 
@@ -442,7 +443,7 @@ def stream(
     if T < 2:
         raise ConfigError(f"a stream needs at least 2 tokens, got {T}")
     n = T - 1
-    budgets = budgets_for(model, policy, budget, allocation, n)
+    budgets = budgets_for(model.cfg.n_layer, policy, budget, allocation, n)
     if policy.needs_future and (reference is None or reference.future is None):
         raise ValueError(f"strategy {policy.name!r} needs reference=full_reference(..., future=True)")
     doc = doc if doc is not None else torch.arange(B, device=tokens.device)
@@ -481,7 +482,7 @@ def generate(
     if P < 1 or n_new < 1:
         raise ConfigError(f"generation needs a prompt and n_new >= 1 (got P={P}, n_new={n_new})")
     tokens = torch.cat([prompt, prompt.new_zeros(B, n_new)], dim=1)
-    budgets = budgets_for(model, policy, budget, allocation, tokens.shape[1] - 1)
+    budgets = budgets_for(model.cfg.n_layer, policy, budget, allocation, tokens.shape[1] - 1)
     model.eval()
     if not policy.recompute:
         doc = doc if doc is not None else torch.arange(B, device=prompt.device)

@@ -74,7 +74,7 @@ def kv_bytes(model: GPT, policy: Policy, budget: int, stream_len: int, allocatio
     cfg = model.cfg
     n = stream_len - 1
     per_entry = 2 * cfg.kv_heads * cfg.head_dim * model.wte.weight.element_size()
-    budgets = budgets_for(model, policy, budget, allocation, n)
+    budgets = budgets_for(model.cfg.n_layer, policy, budget, allocation, n)
     return sum(min(b, n) for b in budgets) * per_entry
 
 

@@ -35,7 +35,7 @@ def reference_stream(
     mode = check_position_mode(model, position_mode)
     cfg = model.cfg
     n = tokens.shape[0] - 1
-    budgets = budgets_for(model, policy, budget, allocation, n)
+    budgets = budgets_for(model.cfg.n_layer, policy, budget, allocation, n)
     rope = cfg.pos_emb is PosEmb.rope
     H, Hkv, D = cfg.n_head, cfg.kv_heads, cfg.head_dim
     G = H // Hkv
