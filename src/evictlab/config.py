@@ -195,6 +195,8 @@ class Config:
     paths: PathsConfig = field(default_factory=PathsConfig)
     seed: int = 0  # evaluation seed: which stretch of text the streams cover, and seeded policies
     group: str = "adhoc"  # the sweep (experiment) a run belongs to: names its folder and W&B group
+    variant: str = "base"  # name of the conf/variant/ recipe the model/train/dataset keys came from
+    skip_invalid: bool = False  # in a sweep grid: skip (exit 0) a combination that fails validation
 
     def __post_init__(self) -> None:
         if self.model.name_or_path:  # a pretrained checkpoint brings its own tokenizer

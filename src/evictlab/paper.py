@@ -39,6 +39,8 @@ FIGURES = {
     "attention_heatmap": (F.attention_heatmap, "attention"),
     "position_modes": (F.position_modes, "streams"),
     "recall_heatmaps": (F.recall_heatmaps, "recall"),
+    "sink_by_variant": (F.sink_by_variant, "runs"),
+    "eviction_by_variant": (F.eviction_by_variant, "streams"),
 }
 
 

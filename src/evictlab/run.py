@@ -45,7 +45,7 @@ from evictlab.train import get_checkpoint
 log = logging.getLogger(__name__)
 RUN_FORMAT = 2  # 2: the full cache reports budget = scored stream length
 # Config that cannot change a run's numbers (where and how it is logged or shown) stays out of the key.
-NON_RESULT_KEYS = ("paths", "logger", "group")
+NON_RESULT_KEYS = ("paths", "logger", "group", "skip_invalid")
 
 
 def run_key(cfg: Config) -> str:
@@ -205,7 +205,11 @@ def _evaluate(cfg: Config, key: str, out: Path) -> dict[str, Any]:
         "dataset": cfg.dataset.name,
         "budget_name": cfg.budget.name,
         "seed": cfg.seed,
+        "variant": cfg.variant,
+        "n_layer": mc.n_layer,
+        "n_head": mc.n_head,
         "checkpoint": ck.path.name,
+        "train_wall_s": ck.meta.get("wall_s"),
         "checkpoint_val_bpb": ck.meta.get("val_bpb"),
         **res.summary,
     }
@@ -271,6 +275,9 @@ def main() -> None:
         try:
             cfg = to_objects(dcfg)
         except ConfigError as e:
+            if dcfg.get("skip_invalid"):  # a grid that crosses e.g. learned positions with cache mode
+                print(f"skipped (not a valid combination): {e}", file=sys.stderr)
+                return
             print(f"error: {e}", file=sys.stderr)
             sys.exit(2)
         try:

@@ -29,8 +29,8 @@ from evictlab.store import read_json, write_atomic
 
 ID_COLUMNS = [
     "run_key", "group", "strategy", "strategy_label", "non_causal", "budget", "budget_name",
-    "budget_fraction",
-    "position_mode", "allocation", "seed", "model", "dataset", "path", "stream_len", "n_streams",
+    "budget_fraction", "position_mode", "allocation", "seed", "variant", "checkpoint", "model", "dataset",
+    "path", "stream_len", "n_streams",
 ]  # fmt: skip
 
 

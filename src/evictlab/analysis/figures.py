@@ -62,11 +62,13 @@ def bootstrap_ci(
     return point, float(min(lo, point)), float(max(hi, point))
 
 
-def summarize_streams(streams: pd.DataFrame, column: str, transform=None) -> pd.DataFrame:
-    """Per (strategy, budget, position_mode): point estimate and 95% CI of mean(column) over
-    (seed, stream) units, optionally transformed (exp for perplexity)."""
+def summarize_streams(
+    streams: pd.DataFrame, column: str, transform=None, keys=("strategy", "budget", "position_mode")
+) -> pd.DataFrame:
+    """Per (strategy, budget, position_mode) or other keys: point estimate and 95% CI of mean(column)
+    over (seed, stream) units, optionally transformed (exp for perplexity)."""
     rows = []
-    keys = ["strategy", "budget", "position_mode"]
+    keys = list(keys)
     for key, g in streams.groupby(keys, dropna=False):
         point, lo, hi = bootstrap_ci(g[column].to_numpy())
         if transform is not None:
@@ -294,3 +296,76 @@ def recall_heatmaps(recall: pd.DataFrame, column: str = "exact_greedy", mode: st
     fig.suptitle(f"Pass-key recall, exact match by {what} ({mode} positions)")
     fig.tight_layout()
     return fig
+
+
+def _variants(names) -> list[str]:
+    """Training variants in a stable order: the experiment's base first, then by name."""
+    names = sorted(set(names))
+    return (["base"] if "base" in names else []) + [n for n in names if n != "base"]
+
+
+def sink_by_variant(runs: pd.DataFrame, stat: str = "max") -> Figure:
+    """Full-cache attention on position 0 per layer (max or mean over heads), one row per training
+    variant: which recipes grow an attention sink, and in which layers."""
+    theme()
+    full = runs[(runs["strategy"] == "full") & (runs["position_mode"] == "original")]
+    if full.empty:
+        raise ValueError("sink_by_variant needs full-cache runs in the original position mode")
+    cols = [c for c in full if c.startswith("first_position_mass_per_head[")]
+    rows = {}
+    for variant, g in full.groupby("variant"):
+        L, H = int(g["n_layer"].iloc[0]), int(g["n_head"].iloc[0])
+        mass = g[cols[: L * H]].to_numpy(dtype=float).mean(0).reshape(L, H)  # mean over seeds
+        rows[variant] = getattr(mass, stat)(axis=1)
+    variants = _variants(rows)
+    width = max(len(v) for v in rows.values())
+    grid = pd.DataFrame(
+        [np.pad(rows[v], (0, width - len(rows[v])), constant_values=np.nan) for v in variants],
+        index=variants, columns=[f"L{i}" for i in range(width)],
+    )  # fmt: skip
+    fig, ax = plt.subplots(figsize=(1.0 * width + 3.2, 0.42 * len(variants) + 1.6))
+    sns.heatmap(100 * grid, ax=ax, cmap="rocket_r", vmin=0, annot=True, fmt=".0f",
+                cbar_kws={"label": "% attention on position 0"})  # fmt: skip
+    ax.set_xlabel("layer")
+    ax.set_ylabel("training variant")
+    ax.set_title(f"Attention on the first token ({stat} over heads, full cache)")
+    fig.tight_layout()
+    return fig
+
+
+EVICTION_ARMS = (("window", "original"), ("streaming_llm", "original"), ("streaming_llm", "cache"))
+
+
+def eviction_by_variant(streams: pd.DataFrame) -> Figure:
+    """Perplexity of a sliding window and of StreamingLLM (both position modes) relative to the full
+    cache, per training variant: exp(mean NLL - mean full-cache NLL) with a 95% bootstrap CI over
+    (seed, stream) units. Above 1 = worse than the full cache."""
+    theme()
+    s = streams[streams["strategy"] != "full"].assign(delta=lambda d: d["nll"] - d["nll_full"])
+    variants = _variants(s["variant"])
+    arms = [a for a in EVICTION_ARMS if ((s["strategy"] == a[0]) & (s["position_mode"] == a[1])).any()]
+    fig, ax = plt.subplots(figsize=(0.75 * len(variants) * len(arms) / 2 + 2.5, 4.0))
+    x = np.arange(len(variants))
+    w = 0.8 / max(1, len(arms))
+    for k, (name, mode) in enumerate(arms):
+        pts, lo, hi = [], [], []
+        for v in variants:
+            g = s[(s["variant"] == v) & (s["strategy"] == name) & (s["position_mode"] == mode)]
+            p, a, b = bootstrap_ci(g["delta"].to_numpy()) if len(g) else (np.nan,) * 3
+            pts.append(np.exp(p))
+            lo.append(np.exp(p) - np.exp(a))
+            hi.append(np.exp(b) - np.exp(p))
+        ax.bar(x + (k - (len(arms) - 1) / 2) * w, pts, w, yerr=[lo, hi], color=color(name),
+               hatch="//" if mode == "cache" else "", edgecolor="k", lw=0.5,
+               label=f"{label(name)} ({mode})")  # fmt: skip
+    ax.axhline(1.0, color="k", lw=0.8)
+    budget = sorted(set(s["budget"]))
+    ax.set_xticks(x)
+    ax.set_xticklabels(variants, rotation=40, ha="right")
+    return _finish(
+        fig,
+        ax,
+        "training variant",
+        "perplexity / full-cache perplexity",
+        f"What evicting the first tokens costs (budget {', '.join(map(str, budget))})",
+    )

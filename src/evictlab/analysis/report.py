@@ -29,6 +29,14 @@ def build_figures(tables: dict[str, pd.DataFrame]) -> dict[str, Figure]:
     figs: dict[str, Figure] = {}
     if streams.empty:
         return figs
+    if "variant" in streams and streams["variant"].nunique() > 1:  # a sweep over training variants
+        if "first_position_mass_per_head[0]" in runs and (runs["strategy"] == "full").any():
+            figs["sink_by_variant"] = F.sink_by_variant(runs)
+        if "nll_full" in streams and (streams["strategy"] != "full").any():
+            figs["eviction_by_variant"] = F.eviction_by_variant(streams)
+        first = F._variants(streams["variant"])[0]  # the per-policy figures show one model: the base
+        tables = {k: t[t["variant"] == first] if "variant" in t else t for k, t in tables.items()}
+        streams, curves, runs = tables["streams"], tables["curves"], runs[runs["variant"] == first]
     modes = set(streams["position_mode"])
     mode = "original" if "original" in modes else sorted(modes)[0]
     figs["ppl_vs_budget"] = F.ppl_vs_budget(streams, mode)
@@ -54,18 +62,20 @@ def build_figures(tables: dict[str, pd.DataFrame]) -> dict[str, Figure]:
 def headline_table(tables: dict[str, pd.DataFrame]) -> pd.DataFrame:
     """Per policy x budget x mode: perplexity with 95% CI, KL, agreement, KV KiB."""
     streams, runs = tables["streams"], wide(tables["results"])
-    ppl = F.summarize_streams(streams, "nll", np.exp)
+    keys = ["strategy", "budget", "position_mode"]
+    if "variant" in streams and streams["variant"].nunique() > 1:
+        keys = ["variant", *keys]
+    ppl = F.summarize_streams(streams, "nll", np.exp, keys)
     ppl["perplexity [95% CI]"] = [
         f"{p:.3f} [{lo:.3f}, {hi:.3f}]" for p, lo, hi in ppl[["point", "low", "high"]].values
     ]
-    keys = ["strategy", "budget", "position_mode"]
     extra = runs.groupby(keys, as_index=False)[
         [c for c in ("kl_mean", "agreement", "kv_bytes") if c in runs]
     ].mean()
     t = ppl[[*keys, "perplexity [95% CI]", "n"]].merge(extra, on=keys, how="left")
     t["kv_KiB"] = t.pop("kv_bytes") / 1024
     t["order"] = t["strategy"].map({n: i for i, n in enumerate(F.POLICY_ORDER)}).fillna(99)
-    t = t.sort_values(["position_mode", "order", "budget"]).drop(columns="order")
+    t = t.sort_values([*keys[:-3], "position_mode", "order", "budget"]).drop(columns="order")
     t["strategy"] = t["strategy"].map(F.label)
     return t.rename(columns={"n": "units (seed x stream)"})
 

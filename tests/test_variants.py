@@ -1,0 +1,103 @@
+"""Training variants (conf/variant/): each is one recipe, a sweep over them skips invalid combinations,
+and the analysis draws one row / bar group per variant."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from evictlab.analysis import figures as F
+from evictlab.analysis.aggregate import aggregate, wide
+from evictlab.analysis.report import build_figures, headline_table
+from evictlab.config import CONF_DIR, compose, to_objects
+from evictlab.store import REPO_ROOT
+from tests.test_pipeline import cfg_for
+
+VARIANTS = sorted(p.stem for p in (CONF_DIR / "variant").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("name", VARIANTS)
+def test_each_variant_composes_names_itself_and_changes_the_recipe(name):
+    # on the experiment's base: gpt_small, train=short (400 steps)
+    base = to_objects(compose(["train=short", "variant=base"]))
+    cfg = to_objects(compose(["train=short", f"variant={name}"]))
+    assert cfg.variant == name
+    changed = [k for k in ("model", "dataset", "train") if getattr(cfg, k) != getattr(base, k)]
+    assert bool(changed) == (name != "base"), changed  # every variant but the base changes the recipe
+    assert cfg.strategy == base.strategy and cfg.eval == base.eval  # never the evaluation
+
+
+def test_variant_overrides_the_groups_and_the_command_line_overrides_the_variant(outputs: Path):
+    cfg = cfg_for(outputs, "variant=steps800")
+    assert cfg.train.steps == 800 and cfg.train.seq_len == 64  # on top of train=tiny
+    assert cfg_for(outputs, "variant=steps800", "train.steps=50").train.steps == 50
+
+
+@pytest.fixture(scope="module")
+def variant_sweep(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
+    outputs = tmp_path_factory.mktemp("variants") / "outputs"
+    env = {**os.environ, "EVICTLAB_OUTPUTS": str(outputs)}
+    cmd = [
+        sys.executable, "-m", "evictlab.run", "-m", "+experiment=sink_emergence", "hydra/launcher=basic",
+        "logger=none", "model=gpt_tiny", "train=tiny", "train.progress=false", "eval.n_streams=2",
+        "eval.stream_len=96", "budget=b16", "seed=0", "strategy=full,window", "variant=base,learned_pos",
+    ]  # fmt: skip
+    res = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600)
+    return outputs / "runs" / "sink_emergence", res
+
+
+def test_sweep_skips_invalid_combinations_and_runs_the_rest(variant_sweep):
+    sweep, res = variant_sweep
+    assert res.returncode == 0, res.stderr
+    # learned absolute positions have no cache position mode: 2 strategies x cache skipped, not failed
+    assert res.stderr.count("skipped (not a valid combination)") == 2
+    metrics = [json.loads(p.read_text()) for p in sweep.rglob("metrics.json")]
+    assert len(metrics) == 6 and all(m["status"] == "ok" for m in metrics)
+    assert sorted((m["variant"], m["position_mode"]) for m in metrics if m["strategy"] == "window") == [
+        ("base", "cache"), ("base", "original"), ("learned_pos", "original")]  # fmt: skip
+    ckpts = {m["checkpoint"] for m in metrics}
+    assert len(ckpts) == 2  # one model per variant, shared by its runs
+
+
+def test_a_sweep_without_skip_invalid_still_fails_loudly(outputs: Path):
+    env = {**os.environ, "EVICTLAB_OUTPUTS": str(outputs)}
+    cmd = [sys.executable, "-m", "evictlab.run", "model=gpt_tiny", "train=tiny", "variant=learned_pos",
+           "eval.position_mode=cache", "logger=none"]  # fmt: skip
+    res = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 2 and res.stderr.startswith("error: eval.position_mode=cache needs RoPE")
+
+
+def test_variant_figures_and_headline(variant_sweep, tmp_path: Path):
+    sweep, _ = variant_sweep
+    tables = aggregate([sweep])
+    runs = wide(tables["results"])
+    assert set(runs["variant"]) == {"base", "learned_pos"} and {"n_layer", "n_head"} <= set(runs)
+    figs = build_figures(tables)
+    assert {"sink_by_variant", "eviction_by_variant", "ppl_vs_budget"} <= set(figs)
+    # the per-policy figures show the base model only: they never average different models
+    heat = figs["sink_by_variant"].axes[0]
+    assert [t.get_text() for t in heat.get_yticklabels()] == ["base", "learned_pos"]
+    bars = figs["eviction_by_variant"].axes[0]
+    assert [t.get_text() for t in bars.get_xticklabels()] == ["base", "learned_pos"]
+    head = headline_table(tables)
+    assert "variant" in head and set(head["variant"]) == {"base", "learned_pos"}
+
+
+def test_eviction_by_variant_is_the_paired_ratio_to_the_full_cache():
+    rows = []
+    for v, gap in (("base", 0.0), ("sinky", 0.5)):
+        for s in range(20):
+            rows += [{"variant": v, "strategy": "window", "position_mode": "original", "budget": 64,
+                      "stream": s, "seed": 0, "nll": 1.0 + gap + 0.01 * s, "nll_full": 1.0 + 0.01 * s},
+                     {"variant": v, "strategy": "streaming_llm", "position_mode": "original", "budget": 64,
+                      "stream": s, "seed": 0, "nll": 1.0 + 0.01 * s, "nll_full": 1.0 + 0.01 * s}]  # fmt: skip
+    fig = F.eviction_by_variant(pd.DataFrame(rows))
+    heights = sorted(p.get_height() for p in fig.axes[0].patches)
+    assert heights == pytest.approx([1.0, 1.0, 1.0, math.exp(0.5)])  # window on the sinky model only
