@@ -90,3 +90,17 @@ def test_a_recall_run_records_accuracy_by_depth(tmp_path):
     assert "recall_heatmaps" in build_figures(tables)
     with pytest.raises(ConfigError, match="recall_depths"):
         cfg_for(tmp_path / "outputs", "eval.task=recall", "eval.recall_depths=[1.5]")
+
+
+def test_dataset_recall_trains_with_pass_keys_and_evaluates_recall(tmp_path):
+    from dataclasses import replace
+
+    from tests.test_pipeline import cfg_for
+
+    cfg = cfg_for(tmp_path / "outputs", "dataset=recall")
+    assert cfg.dataset.name == "recall" and cfg.eval.task.value == "recall" and cfg.train.recall_share > 0
+    plain = cfg_for(tmp_path / "outputs", "eval.task=recall", f"train.recall_share={cfg.train.recall_share}")
+    assert replace(cfg.dataset, name="pydoc_topics") == plain.dataset  # the same text as filler
+    assert cfg.train == plain.train and cfg.eval == plain.eval
+    # the command line still wins over what the dataset sets
+    assert cfg_for(tmp_path / "outputs", "dataset=recall", "train.recall_share=0.1").train.recall_share == 0.1

@@ -101,3 +101,33 @@ def test_eviction_by_variant_is_the_paired_ratio_to_the_full_cache():
     fig = F.eviction_by_variant(pd.DataFrame(rows))
     heights = sorted(p.get_height() for p in fig.axes[0].patches)
     assert heights == pytest.approx([1.0, 1.0, 1.0, math.exp(0.5)])  # window on the sinky model only
+
+
+def _variant_runs() -> pd.DataFrame:
+    """Wide runs of three variants: 3 layers x 4 heads; head (l, h) gets mass 0.01 * (l * 4 + h) * scale."""
+    rows = []
+    for variant, scale, gap in (("steps200", 1.0, 1.00), ("base", 2.0, 1.05), ("steps800", 4.0, 1.20)):
+        for strategy, ppl in (("full", 3.0), ("window", 3.0 * gap), ("streaming_llm", 3.0)):
+            row = {"variant": variant, "strategy": strategy, "position_mode": "original", "ppl": ppl,
+                   "n_layer": 3, "n_head": 4}  # fmt: skip
+            row |= {f"first_position_mass_per_head[{i}]": 0.01 * i * scale for i in range(12)}
+            rows.append(row)
+    return pd.DataFrame(rows).sample(frac=1, axis=1, random_state=0)  # column order must not matter
+
+
+def test_first_token_mass_reads_heads_in_numeric_order():
+    mass = F._first_token_mass(_variant_runs())
+    assert set(mass) == {"steps200", "base", "steps800"}
+    assert mass["base"].shape == (3, 4)
+    assert mass["base"][2, 3] == pytest.approx(0.01 * 11 * 2.0)  # [11] is layer 2 head 3, not after [1]
+    assert mass["steps200"][0].tolist() == pytest.approx([0.0, 0.01, 0.02, 0.03])
+
+
+def test_sink_trend_plots_mass_and_ppl_ratio_against_the_knob():
+    fig = F.sink_trend(_variant_runs(), {"training steps": {"steps200": 200, "base": 400, "steps800": 800}})
+    top, bottom = fig.axes[0], fig.axes[1]
+    strongest = top.get_lines()[0]
+    assert strongest.get_xdata().tolist() == [200, 400, 800]
+    assert strongest.get_ydata().tolist() == pytest.approx([11.0, 22.0, 44.0])
+    window = next(ln for ln in bottom.get_lines() if ln.get_label() == "window")
+    assert window.get_ydata().tolist() == pytest.approx([1.0, 1.05, 1.2])

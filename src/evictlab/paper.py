@@ -41,6 +41,7 @@ FIGURES = {
     "recall_heatmaps": (F.recall_heatmaps, "recall"),
     "sink_by_variant": (F.sink_by_variant, "runs"),
     "eviction_by_variant": (F.eviction_by_variant, "streams"),
+    "sink_trend": (F.sink_trend, "runs"),
 }
 
 

@@ -308,15 +308,9 @@ def sink_by_variant(runs: pd.DataFrame, stat: str = "max") -> Figure:
     """Full-cache attention on position 0 per layer (max or mean over heads), one row per training
     variant: which recipes grow an attention sink, and in which layers."""
     theme()
-    full = runs[(runs["strategy"] == "full") & (runs["position_mode"] == "original")]
-    if full.empty:
+    rows = {v: getattr(m, stat)(axis=1) for v, m in _first_token_mass(runs).items()}
+    if not rows:
         raise ValueError("sink_by_variant needs full-cache runs in the original position mode")
-    cols = [c for c in full if c.startswith("first_position_mass_per_head[")]
-    rows = {}
-    for variant, g in full.groupby("variant"):
-        L, H = int(g["n_layer"].iloc[0]), int(g["n_head"].iloc[0])
-        mass = g[cols[: L * H]].to_numpy(dtype=float).mean(0).reshape(L, H)  # mean over seeds
-        rows[variant] = getattr(mass, stat)(axis=1)
     variants = _variants(rows)
     width = max(len(v) for v in rows.values())
     grid = pd.DataFrame(
@@ -369,3 +363,48 @@ def eviction_by_variant(streams: pd.DataFrame) -> Figure:
         "perplexity / full-cache perplexity",
         f"What evicting the first tokens costs (budget {', '.join(map(str, budget))})",
     )
+
+
+def _first_token_mass(runs: pd.DataFrame) -> dict[str, np.ndarray]:
+    """variant -> [L, H] full-cache attention on position 0 (original positions, mean over seeds)."""
+    full = runs[(runs["strategy"] == "full") & (runs["position_mode"] == "original")]
+    cols = [c for c in full if c.startswith("first_position_mass_per_head[")]
+    cols = sorted(cols, key=lambda c: int(c.split("[")[1][:-1]))
+    out = {}
+    for variant, g in full.groupby("variant"):
+        L, H = int(g["n_layer"].iloc[0]), int(g["n_head"].iloc[0])
+        out[variant] = g[cols[: L * H]].to_numpy(dtype=float).mean(0).reshape(L, H)
+    return out
+
+
+def sink_trend(runs: pd.DataFrame, axes: dict[str, dict[str, float]]) -> Figure:
+    """The sink against a scale knob, one column per knob: `axes` maps an x label to {variant: x}
+    (e.g. {"training steps": {"steps200": 200, "base": 400, "steps800": 800}}). Top: attention on the
+    first token (the strongest head of any layer, and the mean over heads and layers). Bottom: perplexity
+    of a window and of StreamingLLM relative to the full cache (original positions, mean over seeds)."""
+    theme()
+    mass = _first_token_mass(runs)
+    ppl = runs[runs["position_mode"] == "original"].groupby(["variant", "strategy"])["ppl"].mean()
+    fig, grid = plt.subplots(2, len(axes), figsize=(4.2 * len(axes), 6.4), squeeze=False, sharey="row")
+    for col, (xlabel, points) in enumerate(axes.items()):
+        pts = sorted((x, v) for v, x in points.items() if v in mass)
+        xs = [x for x, _ in pts]
+        top, bottom = grid[0][col], grid[1][col]
+        top.plot(xs, [100 * mass[v].max() for _, v in pts], "o-", color="0.15", label="strongest head")
+        top.plot(xs, [100 * mass[v].mean() for _, v in pts], "s--", color="0.55", label="mean over heads")
+        for name in ("window", "streaming_llm"):
+            ys = [ppl.get((v, name), np.nan) / ppl.get((v, "full"), np.nan) for _, v in pts]
+            bottom.plot(xs, ys, "o-", color=color(name), label=label(name))
+        bottom.axhline(1.0, color="k", lw=0.8)
+        for ax in (top, bottom):
+            ax.set_xscale("log", base=2)
+            ax.set_xticks(xs)
+            ax.set_xticklabels([f"{x:g}\n{v}" for x, v in pts], fontsize=8)
+        bottom.set_xlabel(xlabel)
+    grid[0][0].set_ylabel("% attention on position 0")
+    grid[1][0].set_ylabel("perplexity / full cache")
+    grid[0][0].legend(fontsize=8)
+    grid[1][0].legend(fontsize=8)
+    fig.suptitle("Does a sink grow with training and size, and does evicting it hurt?")
+    fig.tight_layout()
+    return fig
