@@ -104,3 +104,35 @@ def test_dataset_recall_trains_with_pass_keys_and_evaluates_recall(tmp_path):
     assert cfg.train == plain.train and cfg.eval == plain.eval
     # the command line still wins over what the dataset sets
     assert cfg_for(tmp_path / "outputs", "dataset=recall", "train.recall_share=0.1").train.recall_share == 0.1
+
+
+def test_training_documents_can_ask_for_the_key_many_times(corpus):
+    from evictlab.data.recall import make_recall_sequence
+
+    tok, prefix = corpus.tokenizer, np.array([corpus.tokenizer.bos_id])
+    filler = corpus.splits["train"].ids
+    one = make_recall_sequence(tok, prefix, filler, 300, 0.2, np.random.default_rng(5))
+    four = make_recall_sequence(tok, prefix, filler, 300, 0.2, np.random.default_rng(5), queries=4)
+    for seq, n_q in ((one[0], 1), (four[0], 4)):
+        text = tok.decode(seq.tolist())
+        assert len(seq) == 300 and text.count(QUERY + ANSWER.format(v=four[4])) == n_q
+        assert text.index(NEEDLE.format(v=four[4])) < text.index(QUERY)  # every question after the needle
+        assert text.endswith(QUERY + ANSWER.format(v=four[4]))
+    assert one[4] == four[4] and one[3] > four[3]  # same key; less filler, so the same depth comes sooner
+    with pytest.raises(ConfigError, match="filler tokens"):
+        make_recall_sequence(tok, prefix, filler, 120, 0.5, np.random.default_rng(0), queries=8)
+
+
+def test_recall_queries_default_keeps_checkpoint_and_run_keys(tmp_path):
+    from evictlab.run import run_key
+    from evictlab.train import checkpoint_key
+    from tests.test_pipeline import cfg_for
+
+    base, same, more = (
+        cfg_for(tmp_path, *o) for o in ([], ["train.recall_queries=1"], ["train.recall_queries=3"])
+    )
+    corpus = load_corpus(base.dataset, base.tokenizer, base.outputs)
+    assert checkpoint_key(base, corpus) == checkpoint_key(same, corpus) != checkpoint_key(more, corpus)
+    assert run_key(base) == run_key(same) != run_key(more)
+    with pytest.raises(ConfigError, match="recall_queries"):
+        cfg_for(tmp_path, "train.recall_queries=0")

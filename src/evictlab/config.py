@@ -49,10 +49,13 @@ class TrainConfig:
     device: str = "cpu"
     progress: bool = True  # tqdm bar
     recall_share: float = 0.0  # share of training samples replaced by pass-key documents (data/recall.py)
+    recall_queries: int = 1  # times each training pass-key document asks for (and answers) its key
 
     def __post_init__(self) -> None:
         if not 0 <= self.recall_share < 1:
             raise ConfigError(f"train.recall_share={self.recall_share} must be in [0, 1)")
+        if self.recall_queries < 1:
+            raise ConfigError(f"train.recall_queries={self.recall_queries} must be >= 1")
         for key in ("steps", "batch_size", "eval_interval", "eval_batches"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"train.{key}={getattr(self, key)} must be >= 1")

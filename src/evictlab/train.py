@@ -44,6 +44,7 @@ log = logging.getLogger(__name__)
 CHECKPOINT_FORMAT = 1  # bump when training semantics or the file layout change
 # Train settings that cannot change the weights, so they stay out of the checkpoint key.
 NON_WEIGHT_KEYS = ("threads", "device", "progress", "eval_interval", "eval_batches")
+NEUTRAL_TRAIN_KEYS = {"recall_queries": 1}  # left out of the checkpoint key at this value
 
 
 @dataclass
@@ -72,6 +73,7 @@ class WindowSampler:
         sink_token: bool,
         seed: int,
         recall_share: float = 0.0,
+        recall_queries: int = 1,
     ):
         self.prefix = np.asarray(corpus.prefix(sink_token), dtype=np.int64)
         self.stream = split.stream(corpus.tokenizer.bos_id if corpus.bos else None)
@@ -83,7 +85,8 @@ class WindowSampler:
             )
         self.specials = [corpus.tokenizer.bos_id, corpus.tokenizer.sink_id]
         self.rng = np.random.default_rng(seed)
-        self.recall_share, self.split, self.tok, self.seq_len = recall_share, split, corpus.tokenizer, seq_len
+        self.recall_share, self.recall_queries = recall_share, recall_queries
+        self.split, self.tok, self.seq_len = split, corpus.tokenizer, seq_len
 
     def batch(self, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
         """x, y: [batch_size, seq_len] int64; y = -1 where the target is a special token."""
@@ -95,7 +98,7 @@ class WindowSampler:
             for i in np.flatnonzero(self.rng.random(batch_size) < self.recall_share):
                 depth = float(self.rng.random())
                 rows[i] = make_recall_sequence(self.tok, self.prefix, self.split.ids, self.seq_len + 1, depth,
-                                               self.rng)[0]  # fmt: skip
+                                               self.rng, queries=self.recall_queries)[0]  # fmt: skip
         seq = torch.from_numpy(np.stack(rows))
         x, y = seq[:, :-1], seq[:, 1:].clone()
         y[torch.isin(y, torch.tensor(self.specials))] = -1
@@ -168,7 +171,7 @@ def train_model(cfg: Config, corpus: Corpus) -> tuple[GPT, dict[str, Any]]:
     torch.manual_seed(tc.seed)
     model = GPT(mc).to(device)
     train_s = WindowSampler(
-        corpus.splits["train"], corpus, tc.seq_len, mc.sink_token, tc.seed, tc.recall_share
+        corpus.splits["train"], corpus, tc.seq_len, mc.sink_token, tc.seed, tc.recall_share, tc.recall_queries
     )
     # Fixed evaluation windows, drawn from their own generators so they never move the training stream.
     val_s = WindowSampler(corpus.splits["val"], corpus, tc.seq_len, mc.sink_token, seed=10_000 + tc.seed)
@@ -245,6 +248,9 @@ def train_model(cfg: Config, corpus: Corpus) -> tuple[GPT, dict[str, Any]]:
 def checkpoint_key(cfg: Config, corpus: Corpus) -> str:
     model_cfg = {**asdict(cfg.model), "vocab_size": corpus.tokenizer.vocab_size}
     train_cfg = {k: v for k, v in asdict(cfg.train).items() if k not in NON_WEIGHT_KEYS}
+    for k, neutral in NEUTRAL_TRAIN_KEYS.items():  # fields added later: keys of older models stay valid
+        if train_cfg[k] == neutral:
+            del train_cfg[k]
     return stable_hash(
         {
             "model": model_cfg,

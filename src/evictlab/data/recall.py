@@ -34,12 +34,16 @@ class RecallBatch:
 
 def make_recall_sequence(
     tok, prefix: np.ndarray, filler: np.ndarray, length: int, depth: float, rng: np.random.Generator,
-    digits: int = 5,
+    digits: int = 5, queries: int = 1,
 ) -> tuple[np.ndarray, int, int, int, str]:  # fmt: skip
-    """One pass-key sequence of exactly `length` tokens: (ids, answer_start, answer_len, needle_pos, key)."""
+    """One pass-key sequence of exactly `length` tokens: (ids, answer_start, answer_len, needle_pos, key).
+
+    `queries` > 1 (training) also asks and answers the key at queries - 1 random points between the
+    needle and the final question, so the key is copied across many distances, not one.
+    """
     v = "".join(str(x) for x in rng.integers(0, 10, size=digits))
     needle, query, answer = tok.encode(NEEDLE.format(v=v)), tok.encode(QUERY), tok.encode(ANSWER.format(v=v))
-    body = length - len(prefix) - len(needle) - len(query) - len(answer)
+    body = length - len(prefix) - len(needle) - queries * (len(query) + len(answer))
     if body < 1 or body > len(filler):
         raise ConfigError(
             f"recall: a stream of {length} tokens leaves {body} filler tokens; need 1 .. {len(filler)}"
@@ -47,7 +51,12 @@ def make_recall_sequence(
     start = int(rng.integers(0, len(filler) - body + 1))
     fill = filler[start : start + body]
     k = int(round(depth * body))
-    seq = np.concatenate((prefix, fill[:k], needle, fill[k:], query, answer)).astype(np.int64)
+    rest = [fill[k:]]
+    if queries > 1:  # cut the filler after the needle and ask (and answer) at each cut
+        cuts = np.sort(rng.integers(0, body - k + 1, size=queries - 1))
+        parts = np.split(fill[k:], cuts)
+        rest = [x for part in parts[:-1] for x in (part, query, answer)] + [parts[-1]]
+    seq = np.concatenate((prefix, fill[:k], needle, *rest, query, answer)).astype(np.int64)
     return seq, length - len(answer), len(answer), len(prefix) + k, v
 
 
