@@ -99,7 +99,9 @@ def test_dataset_recall_trains_with_pass_keys_and_evaluates_recall(tmp_path):
 
     cfg = cfg_for(tmp_path / "outputs", "dataset=recall")
     assert cfg.dataset.name == "recall" and cfg.eval.task.value == "recall" and cfg.train.recall_share > 0
-    plain = cfg_for(tmp_path / "outputs", "eval.task=recall", f"train.recall_share={cfg.train.recall_share}")
+    plain = cfg_for(tmp_path / "outputs", "eval.task=recall", f"train.recall_share={cfg.train.recall_share}",
+                    f"train.recall_queries={cfg.train.recall_queries}")  # fmt: skip
+    assert cfg.train.recall_queries > 1
     assert replace(cfg.dataset, name="pydoc_topics") == plain.dataset  # the same text as filler
     assert cfg.train == plain.train and cfg.eval == plain.eval
     # the command line still wins over what the dataset sets
