@@ -99,8 +99,9 @@ def test_eviction_by_variant_is_the_paired_ratio_to_the_full_cache():
                      {"variant": v, "strategy": "streaming_llm", "position_mode": "original", "budget": 64,
                       "stream": s, "seed": 0, "nll": 1.0 + 0.01 * s, "nll_full": 1.0 + 0.01 * s}]  # fmt: skip
     fig = F.eviction_by_variant(pd.DataFrame(rows))
-    heights = sorted(p.get_height() for p in fig.axes[0].patches)
-    assert heights == pytest.approx([1.0, 1.0, 1.0, math.exp(0.5)])  # window on the sinky model only
+    points = {c.get_label(): c.lines[0].get_ydata().tolist() for c in fig.axes[0].containers}
+    assert points["window (original)"] == pytest.approx([1.0, math.exp(0.5)])  # worse on the sinky model
+    assert points["StreamingLLM (original)"] == pytest.approx([1.0, 1.0])
 
 
 def _variant_runs() -> pd.DataFrame:
@@ -131,3 +132,13 @@ def test_sink_trend_plots_mass_and_ppl_ratio_against_the_knob():
     assert strongest.get_ydata().tolist() == pytest.approx([11.0, 22.0, 44.0])
     window = next(ln for ln in bottom.get_lines() if ln.get_label() == "window")
     assert window.get_ydata().tolist() == pytest.approx([1.0, 1.05, 1.2])
+
+
+def test_variant_table_has_one_row_per_variant(variant_sweep):
+    from evictlab.analysis.report import variant_table
+
+    sweep, _ = variant_sweep
+    t = variant_table(aggregate([sweep]))
+    assert list(t["variant"]) == ["base", "learned_pos"]
+    assert t.loc[1, "StreamingLLM (cache) / full"] == "-"  # learned positions: no cache mode
+    assert t.loc[0, "window (original) / full"].count("[") == 1 and t["full-cache ppl"].gt(1).all()

@@ -80,6 +80,41 @@ def headline_table(tables: dict[str, pd.DataFrame]) -> pd.DataFrame:
     return t.rename(columns={"n": "units (seed x stream)"})
 
 
+def variant_table(tables: dict[str, pd.DataFrame]) -> pd.DataFrame:
+    """Per training variant: the model's validation bits per byte, its attention on the first token (the
+    strongest head, and the mean over heads and layers), full-cache perplexity, each eviction arm's
+    perplexity relative to the full cache, and window minus StreamingLLM NLL per stream (paired, original
+    positions), with 95% bootstrap CIs over (seed, stream) units."""
+    runs, streams = wide(tables["results"]), tables["streams"]
+    mass = F._first_token_mass(runs)
+    s = streams[streams["strategy"] != "full"].assign(delta=lambda d: d["nll"] - d["nll_full"])
+
+    def ci(values, fmt, f=lambda x: x) -> str:
+        if not len(values):
+            return "-"
+        p, lo, hi = F.bootstrap_ci(values)
+        return f"{f(p):{fmt}} [{f(lo):{fmt}}, {f(hi):{fmt}}]"
+
+    rows = []
+    for v in F._variants(mass):
+        full = runs[
+            (runs["variant"] == v) & (runs["strategy"] == "full") & (runs["position_mode"] == "original")
+        ]
+        strongest = mass[v].max(axis=1)
+        row = {"variant": v, "val bits/byte": full["checkpoint_val_bpb"].iloc[0],
+               "strongest head on pos 0 [%]": f"{100 * strongest.max():.1f} (L{int(strongest.argmax())})",
+               "mean on pos 0 [%]": 100 * mass[v].mean(), "full-cache ppl": full["ppl"].mean()}  # fmt: skip
+        arm = {}
+        for name, mode in F.EVICTION_ARMS:
+            g = s[(s["variant"] == v) & (s["strategy"] == name) & (s["position_mode"] == mode)]
+            row[f"{F.label(name)} ({mode}) / full"] = ci(g["delta"].to_numpy(), ".3f", np.exp)
+            arm[(name, mode)] = g.set_index(["seed", "stream"])["nll"]
+        paired = (arm[("window", "original")] - arm[("streaming_llm", "original")]).dropna()
+        row["window - StreamingLLM NLL"] = ci(paired.to_numpy(), "+.4f")
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
 def _png_b64(fig: Figure) -> str:
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=110)
@@ -103,6 +138,10 @@ def write_report(path: Path, tables: dict[str, pd.DataFrame], figs: dict[str, Fi
     parts.append(
         "<h2>Headline numbers</h2>" + headline_table(tables).to_html(index=False, float_format="%.4g")
     )
+    if "variant" in tables["streams"] and tables["streams"]["variant"].nunique() > 1:
+        parts.append(
+            "<h2>Training variants</h2>" + variant_table(tables).to_html(index=False, float_format="%.3f")
+        )
     for name, fig in figs.items():
         img = f"<img alt='{name}' src='data:image/png;base64,{_png_b64(fig)}'>"
         parts.append(f"<h2 id='{name}'>{name.replace('_', ' ')}</h2>{img}")
