@@ -224,3 +224,17 @@ def test_report_figures_and_table_are_mirrored_to_wandb(sweep: Path, tmp_path: P
     logged = {k.split("/")[1] for h in wb["history"] for k in h if k.startswith("figures/")}
     assert logged == set(figs)
     assert any(k.startswith("headline") for h in wb["history"] for k in h)
+
+
+def test_recall_heatmaps_wrap_and_mark_policies_that_cannot_generate():
+    import matplotlib.pyplot as plt
+
+    rec = synthetic_recall()
+    oracle = rec[rec["strategy"] == "h2o"].assign(strategy="oracle", exact_greedy=np.nan)
+    more = [rec.assign(strategy=s) for s in ("tova", "scissorhands", "random")]
+    fig = F.recall_heatmaps(pd.concat([rec, oracle, *more], ignore_index=True))
+    titles = [a.get_title() for a in fig.axes if a.get_title()]
+    assert len(titles) == 7 and titles[-1] == "oracle (non-causal)"  # 7 panels over 2 rows of 5
+    oracle_ax = next(a for a in fig.axes if a.get_title() == "oracle (non-causal)")
+    assert "cannot generate" in oracle_ax.texts[0].get_text()
+    plt.close(fig)

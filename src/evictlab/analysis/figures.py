@@ -275,26 +275,38 @@ def attention_heatmap(attention: pd.DataFrame) -> Figure:
 
 
 def recall_heatmaps(recall: pd.DataFrame, column: str = "exact_greedy", mode: str = "original") -> Figure:
-    """Recall accuracy by needle depth x budget, one heatmap per policy: where windowed and score-based
-    policies differ most."""
+    """Recall accuracy by needle depth x budget, one heatmap per policy (5 per row): where windowed and
+    score-based policies differ most."""
+    from matplotlib.cm import ScalarMappable
+    from matplotlib.colors import Normalize
+
     theme()
     r = recall[recall["position_mode"] == mode]
     if column not in r or r[column].isna().all():
         column = "exact_teacher_forced"
     names = ordered(r["strategy"])
-    fig, axes = plt.subplots(1, len(names), figsize=(2.6 * len(names) + 1.2, 3.4), squeeze=False, sharey=True)
-    for ax, name in zip(axes[0], names, strict=True):
-        g = r[r["strategy"] == name].pivot_table(
-            index="depth", columns="budget", values=column, aggfunc="mean"
-        )
-        sns.heatmap(100 * g.astype(float), ax=ax, vmin=0, vmax=100, cmap="viridis", annot=True, fmt=".0f",
-                    cbar=ax is axes[0][-1], cbar_kws={"label": "% recalled"})  # fmt: skip
-        ax.set_title(label(name))
+    ncol = min(5, len(names))
+    nrow = -(-len(names) // ncol)
+    fig, axes = plt.subplots(nrow, ncol, figsize=(2.7 * ncol + 1.4, 2.6 * nrow + 0.8), squeeze=False,
+                             layout="constrained")  # fmt: skip
+    for k, (ax, name) in enumerate(zip(axes.flat, names)):
+        g = r[r["strategy"] == name]
+        ax.set_title(label(name), fontsize=10)
+        if g[column].isna().all():  # the oracle cannot generate: no greedy score
+            ax.text(0.5, 0.5, "n/a\n(cannot generate)", ha="center", va="center", transform=ax.transAxes)
+            ax.set_xticks([])
+            ax.set_yticks([])
+            continue
+        grid = g.pivot_table(index="depth", columns="budget", values=column, aggfunc="mean")
+        sns.heatmap(100 * grid.astype(float), ax=ax, vmin=0, vmax=100, cmap="viridis", annot=True, fmt=".0f",
+                    cbar=False, annot_kws={"fontsize": 8})  # fmt: skip
         ax.set_xlabel("budget")
-        ax.set_ylabel("needle depth" if ax is axes[0][0] else "")
+        ax.set_ylabel("needle depth" if k % ncol == 0 else "")
+    for ax in axes.flat[len(names) :]:
+        ax.axis("off")
+    fig.colorbar(ScalarMappable(Normalize(0, 100), "viridis"), ax=axes, label="% recalled", shrink=0.8)
     what = "greedy decoding" if column == "exact_greedy" else "teacher-forced"
     fig.suptitle(f"Pass-key recall, exact match by {what} ({mode} positions)")
-    fig.tight_layout()
     return fig
 
 
