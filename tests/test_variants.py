@@ -142,3 +142,17 @@ def test_variant_table_has_one_row_per_variant(variant_sweep):
     assert list(t["variant"]) == ["base", "learned_pos"]
     assert t.loc[1, "StreamingLLM (cache) / full"] == "-"  # learned positions: no cache mode
     assert t.loc[0, "window (original) / full"].count("[") == 1 and t["full-cache ppl"].gt(1).all()
+
+
+def test_report_finds_the_scale_knobs_of_the_committed_sink_sweep():
+    from evictlab import paper
+    from evictlab.analysis.report import trend_axes
+
+    tables = paper.load_snapshot(paper.EXPERIMENTS / "sink_emergence")
+    axes = trend_axes(tables["results"])
+    # variants that differ from base in one number only, with at least two of them per knob
+    assert axes == {"model.n_layer": {"base": 4, "layers2": 2, "layers8": 8},
+                    "train.steps": {"base": 400, "steps200": 200, "steps800": 800}}  # fmt: skip
+    tables = {k: v for k, v in tables.items() if k != "runs"}
+    assert {"sink_by_variant", "eviction_by_variant", "sink_trend"} <= set(build_figures(tables))
+    assert trend_axes(tables["results"], min_points=2)["train.weight_decay"] == {"base": 0.1, "wd_high": 1.0}

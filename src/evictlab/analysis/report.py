@@ -34,6 +34,8 @@ def build_figures(tables: dict[str, pd.DataFrame]) -> dict[str, Figure]:
             figs["sink_by_variant"] = F.sink_by_variant(runs)
         if "nll_full" in streams and (streams["strategy"] != "full").any():
             figs["eviction_by_variant"] = F.eviction_by_variant(streams)
+        if "sink_by_variant" in figs and (axes := trend_axes(tables["results"])):
+            figs["sink_trend"] = F.sink_trend(runs, axes)
         first = F._variants(streams["variant"])[0]  # the per-policy figures show one model: the base
         tables = {k: t[t["variant"] == first] if "variant" in t else t for k, t in tables.items()}
         streams, curves, runs = tables["streams"], tables["curves"], runs[runs["variant"] == first]
@@ -78,6 +80,34 @@ def headline_table(tables: dict[str, pd.DataFrame]) -> pd.DataFrame:
     t = t.sort_values([*keys[:-3], "position_mode", "order", "budget"]).drop(columns="order")
     t["strategy"] = t["strategy"].map(F.label)
     return t.rename(columns={"n": "units (seed x stream)"})
+
+
+def trend_axes(results: pd.DataFrame, min_points: int = 3) -> dict[str, dict[str, float]]:
+    """Scale knobs a variant sweep covers, for `figures.sink_trend`: every numeric model/train setting in
+    which at least min_points - 1 variants differ from `base` and in nothing else, as
+    {"train.steps": {"base": 400, "steps200": 200, ...}}."""
+    cols = [c for c in results if c.startswith(("cfg.model.", "cfg.train.", "cfg.dataset."))]
+    if "variant" not in results or not cols:
+        return {}
+    per = results.groupby("variant")[cols].first()
+    if "base" not in per.index:
+        return {}
+    base = per.loc["base"]
+
+    def same(a, b) -> bool:
+        return (pd.isna(a) and pd.isna(b)) if pd.api.types.is_scalar(a) and pd.isna(a) else a == b
+
+    def number(x) -> bool:
+        return pd.api.types.is_number(x) and not pd.api.types.is_bool(x)
+
+    axes: dict[str, dict[str, float]] = {}
+    for variant, row in per.drop(index="base").iterrows():
+        diff = [c for c in cols if not same(row[c], base[c])]
+        if len(diff) != 1 or not (number(row[diff[0]]) and number(base[diff[0]])):
+            continue
+        axis = axes.setdefault(diff[0].removeprefix("cfg."), {"base": float(base[diff[0]])})
+        axis[variant] = float(row[diff[0]])
+    return {k: v for k, v in axes.items() if len(v) >= min_points}
 
 
 def variant_table(tables: dict[str, pd.DataFrame]) -> pd.DataFrame:
