@@ -40,7 +40,7 @@ from evictlab.store import (
     write_atomic,
     write_json,
 )
-from evictlab.train import NEUTRAL_TRAIN_KEYS, get_checkpoint
+from evictlab.train import drop_neutral, get_checkpoint
 
 log = logging.getLogger(__name__)
 RUN_FORMAT = 2  # 2: the full cache reports budget = scored stream length
@@ -56,9 +56,7 @@ def run_key(cfg: Config) -> str:
         d["eval"].pop(k)
     for k in ("threads", "progress", "device"):
         d["train"].pop(k)
-    for k, neutral in NEUTRAL_TRAIN_KEYS.items():  # as in the checkpoint key: older run keys stay valid
-        if d["train"][k] == neutral:
-            d["train"].pop(k)
+    d["train"] = drop_neutral(d["train"])  # as in the checkpoint key: older run keys stay valid
     if not cfg.strategy.build().evicts:  # the full cache ignores the budget: one run serves them all
         d.pop("budget")
     return stable_hash({"config": d, "format": RUN_FORMAT})

@@ -44,7 +44,13 @@ log = logging.getLogger(__name__)
 CHECKPOINT_FORMAT = 1  # bump when training semantics or the file layout change
 # Train settings that cannot change the weights, so they stay out of the checkpoint key.
 NON_WEIGHT_KEYS = ("threads", "device", "progress", "eval_interval", "eval_batches")
-NEUTRAL_TRAIN_KEYS = {"recall_queries": 1}  # left out of the checkpoint key at this value
+NEUTRAL_TRAIN_KEYS = {"recall_queries": 1}  # left out of checkpoint and run keys at this value
+
+
+def drop_neutral(train: dict[str, Any]) -> dict[str, Any]:
+    """A train config dict without the fields at their neutral value: fields added later leave the keys
+    of older models and runs unchanged."""
+    return {k: v for k, v in train.items() if k not in NEUTRAL_TRAIN_KEYS or v != NEUTRAL_TRAIN_KEYS[k]}
 
 
 @dataclass
@@ -247,10 +253,7 @@ def train_model(cfg: Config, corpus: Corpus) -> tuple[GPT, dict[str, Any]]:
 
 def checkpoint_key(cfg: Config, corpus: Corpus) -> str:
     model_cfg = {**asdict(cfg.model), "vocab_size": corpus.tokenizer.vocab_size}
-    train_cfg = {k: v for k, v in asdict(cfg.train).items() if k not in NON_WEIGHT_KEYS}
-    for k, neutral in NEUTRAL_TRAIN_KEYS.items():  # fields added later: keys of older models stay valid
-        if train_cfg[k] == neutral:
-            del train_cfg[k]
+    train_cfg = drop_neutral({k: v for k, v in asdict(cfg.train).items() if k not in NON_WEIGHT_KEYS})
     return stable_hash(
         {
             "model": model_cfg,

@@ -342,31 +342,33 @@ def sink_by_variant(runs: pd.DataFrame, stat: str = "max") -> Figure:
 EVICTION_ARMS = (("window", "original"), ("streaming_llm", "original"), ("streaming_llm", "cache"))
 
 
+def eviction_ratios(streams: pd.DataFrame) -> pd.DataFrame:
+    """Per (variant, strategy, position_mode) of the evicting policies: exp(mean NLL - mean full-cache NLL)
+    per stream, i.e. perplexity relative to the full cache, with its 95% bootstrap CI (point, low, high)."""
+    s = streams[streams["strategy"] != "full"].assign(delta=lambda d: d["nll"] - d["nll_full"])
+    return summarize_streams(s, "delta", np.exp, keys=("variant", "strategy", "position_mode"))
+
+
 def eviction_by_variant(streams: pd.DataFrame) -> Figure:
     """Perplexity of a sliding window and of StreamingLLM (both position modes) relative to the full
     cache, per training variant: exp(mean NLL - mean full-cache NLL) with a 95% bootstrap CI over
     (seed, stream) units (points, so that a few percent stay visible). Above 1 = worse than the full cache."""
     theme()
-    s = streams[streams["strategy"] != "full"].assign(delta=lambda d: d["nll"] - d["nll_full"])
-    variants = _variants(s["variant"])
-    arms = [a for a in EVICTION_ARMS if ((s["strategy"] == a[0]) & (s["position_mode"] == a[1])).any()]
+    r = eviction_ratios(streams).set_index(["variant", "strategy", "position_mode"])
+    variants = _variants(r.index.get_level_values("variant"))
+    arms = [a for a in EVICTION_ARMS if any((v, *a) in r.index for v in variants)]
     fig, ax = plt.subplots(figsize=(0.6 * len(variants) * len(arms) / 2 + 3.0, 4.6))
     x = np.arange(len(variants))
     w = 0.8 / max(1, len(arms))
     for k, (name, mode) in enumerate(arms):
-        pts, lo, hi = [], [], []
-        for v in variants:
-            g = s[(s["variant"] == v) & (s["strategy"] == name) & (s["position_mode"] == mode)]
-            p, a, b = bootstrap_ci(g["delta"].to_numpy()) if len(g) else (np.nan,) * 3
-            pts.append(np.exp(p))
-            lo.append(np.exp(p) - np.exp(a))
-            hi.append(np.exp(b) - np.exp(p))
-        ax.errorbar(x + (k - (len(arms) - 1) / 2) * w, pts, yerr=[lo, hi], color=color(name), capsize=2,
+        a = r.reindex([(v, name, mode) for v in variants])  # NaN where a variant lacks the arm
+        err = [a["point"] - a["low"], a["high"] - a["point"]]
+        ax.errorbar(x + (k - (len(arms) - 1) / 2) * w, a["point"], yerr=err, color=color(name), capsize=2,
                     fmt="s" if mode == "cache" else "o", mfc="white" if mode == "cache" else color(name),
                     ls="none", label=f"{label(name)} ({mode})")  # fmt: skip
     ax.axhline(1.0, color="k", lw=0.8)
     _log_y(ax)
-    budget = sorted(set(s["budget"]))
+    budget = sorted(set(streams.loc[streams["strategy"] != "full", "budget"]))
     ax.set_xticks(x)
     ax.set_xticklabels(variants, rotation=40, ha="right")
     return _finish(

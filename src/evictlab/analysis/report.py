@@ -117,13 +117,7 @@ def variant_table(tables: dict[str, pd.DataFrame]) -> pd.DataFrame:
     positions), with 95% bootstrap CIs over (seed, stream) units."""
     runs, streams = wide(tables["results"]), tables["streams"]
     mass = F._first_token_mass(runs)
-    s = streams[streams["strategy"] != "full"].assign(delta=lambda d: d["nll"] - d["nll_full"])
-
-    def ci(values, fmt, f=lambda x: x) -> str:
-        if not len(values):
-            return "-"
-        p, lo, hi = F.bootstrap_ci(values)
-        return f"{f(p):{fmt}} [{f(lo):{fmt}}, {f(hi):{fmt}}]"
+    ratios = F.eviction_ratios(streams).set_index(["variant", "strategy", "position_mode"])
 
     rows = []
     for v in F._variants(mass):
@@ -134,13 +128,18 @@ def variant_table(tables: dict[str, pd.DataFrame]) -> pd.DataFrame:
         row = {"variant": v, "val bits/byte": full["checkpoint_val_bpb"].iloc[0],
                "strongest head on pos 0 [%]": f"{100 * strongest.max():.1f} (L{int(strongest.argmax())})",
                "mean on pos 0 [%]": 100 * mass[v].mean(), "full-cache ppl": full["ppl"].mean()}  # fmt: skip
-        arm = {}
         for name, mode in F.EVICTION_ARMS:
-            g = s[(s["variant"] == v) & (s["strategy"] == name) & (s["position_mode"] == mode)]
-            row[f"{F.label(name)} ({mode}) / full"] = ci(g["delta"].to_numpy(), ".3f", np.exp)
-            arm[(name, mode)] = g.set_index(["seed", "stream"])["nll"]
-        paired = (arm[("window", "original")] - arm[("streaming_llm", "original")]).dropna()
-        row["window - StreamingLLM NLL"] = ci(paired.to_numpy(), "+.4f")
+            a = ratios.loc[(v, name, mode)] if (v, name, mode) in ratios.index else None
+            row[f"{F.label(name)} ({mode}) / full"] = (
+                "-" if a is None else f"{a['point']:.3f} [{a['low']:.3f}, {a['high']:.3f}]"
+            )
+        original = streams[(streams["variant"] == v) & (streams["position_mode"] == "original")]
+        nll = {n: original[original["strategy"] == n].set_index(["seed", "stream"])["nll"]
+               for n in ("window", "streaming_llm")}  # fmt: skip
+        paired = (nll["window"] - nll["streaming_llm"]).dropna().to_numpy()
+        row["window - StreamingLLM NLL"] = (
+            "-" if not len(paired) else "{:+.4f} [{:+.4f}, {:+.4f}]".format(*F.bootstrap_ci(paired))
+        )
         rows.append(row)
     return pd.DataFrame(rows)
 
