@@ -42,13 +42,13 @@ train: ## Train (or load from cache) the default model: make train ARGS="model=g
 run: ## One run: make run ARGS="strategy=h2o budget=b128"
 	$(PY) -m evictlab.run $(ARGS)
 
-sweep: ## Train (cached), run experiment EXP through LAUNCHER (local|submitit_local|slurm), aggregate, figures
+sweep: ## Train (cached), run experiment EXP through LAUNCHER (local|submitit_local|slurm), aggregate, report
 	@# locally, train first with every core (jobs then share the cached checkpoint); on a cluster the
 	@# first job that needs a checkpoint trains it and the others wait on its file lock
 	if [ "$(LAUNCHER)" = local ]; then $(PY) -m evictlab.train +experiment=$(EXP) $(ARGS); fi
 	$(PY) -m evictlab.run -m +experiment=$(EXP) hydra/launcher=$(LAUNCHER) group=$(GROUP) $(ARGS)
 	$(PY) -m evictlab.aggregate $(OUT)/runs/$(GROUP)
-	$(PY) -m evictlab.figures $(OUT)/runs/$(GROUP)
+	$(PY) -m evictlab.report $(OUT)/runs/$(GROUP)
 
 paper: ## Re-run every experiments/<name>/ sweep, refresh its committed snapshot, redraw the paper figures
 	$(PY) -m evictlab.paper run --launcher $(LAUNCHER)
@@ -59,8 +59,9 @@ aggregate: ## Collect a sweep's runs into results.parquet (+ failures.csv): make
 figures: ## Redraw every paper figure from the committed snapshots in experiments/ (seconds; no training/eval)
 	$(PY) -m evictlab.paper figures
 
-report: ## Figures + HTML report of a sweep's own results: make report EXP=default
-	$(PY) -m evictlab.figures $(OUT)/runs/$(GROUP)
+report: ## Aggregate a sweep, then its figures + HTML report: make report EXP=default
+	$(PY) -m evictlab.aggregate $(OUT)/runs/$(GROUP)
+	$(PY) -m evictlab.report $(OUT)/runs/$(GROUP)
 
 smoke: ## A two-minute sweep on a tiny model (EXP=smoke)
 	$(MAKE) sweep EXP=smoke

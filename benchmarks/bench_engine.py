@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from evictlab.cache import POLICIES, make_policy
-from evictlab.eval.engine import full_reference
+from evictlab.eval import StreamSpec, full_reference
 from evictlab.eval.evaluate import evaluate, kv_bytes
 from evictlab.eval.reference import reference_stream
 from evictlab.models.gpt import GPT, GPTConfig
@@ -82,7 +82,13 @@ def main(argv: list[str] | None = None) -> dict:
                 else None
             )
             reference_stream(
-                model, tokens[d], policy, args.budget, position_mode=mode, reference=reference, doc=d
+                model,
+                tokens[d],
+                policy,
+                args.budget,
+                StreamSpec(position_mode=mode),
+                reference=reference,
+                doc=d,
             )
             ref_tokens += n
         ref_s = time.perf_counter() - start
@@ -92,7 +98,11 @@ def main(argv: list[str] | None = None) -> dict:
         docs = tokens[: args.slow_docs] if slow else tokens
         batch = min(args.batch, args.slow_docs) if slow else args.batch
         res = evaluate(
-            model, docs, policy, args.budget, position_mode=mode, batch_size=batch, diagnostics=False
+            model,
+            docs,
+            policy,
+            args.budget,
+            StreamSpec(position_mode=mode, batch_size=batch, diagnostics=False),
         )
         eng_tps = res.summary["token_steps_per_s"]
         ref_tps = ref_tokens / ref_s

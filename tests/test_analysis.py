@@ -12,9 +12,16 @@ import pytest
 from evictlab import run as run_mod
 from evictlab.analysis import figures as F
 from evictlab.analysis.aggregate import aggregate, wide
-from evictlab.analysis.report import build_figures
-from evictlab.analysis.report import main as figures_main
+from evictlab.analysis.report import load_tables
+from evictlab.analysis.report import main as report_main
+from evictlab.cache import POLICIES
 from tests.test_pipeline import cfg_for
+
+
+def with_facts(frame: pd.DataFrame) -> pd.DataFrame:
+    """A synthetic table with the policy identity columns every run records (Policy.facts())."""
+    facts = pd.DataFrame([POLICIES[s].facts() for s in frame["strategy"]], index=frame.index)
+    return frame.assign(**{c: facts[c] for c in facts if c != "strategy"})
 
 
 @pytest.fixture(scope="module")
@@ -90,7 +97,7 @@ def synthetic_streams() -> pd.DataFrame:
                             "nll": base + rng.normal(0, 0.02), "kl": 0 if s == "full" else 2 / b,
                             "agree": 1 - (0 if s == "full" else 1 / b),
                         })  # fmt: skip
-    return pd.DataFrame(rows)
+    return with_facts(pd.DataFrame(rows))
 
 
 def synthetic_runs() -> pd.DataFrame:
@@ -103,9 +110,13 @@ def synthetic_runs() -> pd.DataFrame:
     s["kv_bytes"] = s["budget"] * 4096
     s["token_steps_per_s"] = np.where(s["strategy"] == "h2o", 3000.0, 20000.0)
     s["policy_time_share"] = np.where(s["strategy"] == "h2o", 0.2, 0.0)
-    for layer in range(4):
-        s[f"sink_mass_per_layer[{layer}]"] = 0.1 * layer
-    return s
+    return with_facts(s)
+
+
+def synthetic_layers() -> pd.DataFrame:
+    rows = [{"strategy": "window", "run_key": k, "layer": layer, "head": None, "metric": "sink_mass",
+             "value": 0.1 * layer} for k in ("a", "b") for layer in range(4)]  # fmt: skip
+    return with_facts(pd.DataFrame(rows))
 
 
 def synthetic_curves() -> pd.DataFrame:
@@ -115,7 +126,7 @@ def synthetic_curves() -> pd.DataFrame:
             for p in (1, 2, 4, 8, 16, 32, 64, 128):
                 rows.append({"strategy": s, "budget": b, "position_mode": "original", "position": p,
                              "nll": 2 - 0.1 * np.log(p) + (0 if s == "full" else 0.01 * p / b)})  # fmt: skip
-    return pd.DataFrame(rows)
+    return with_facts(pd.DataFrame(rows))
 
 
 def synthetic_attention() -> pd.DataFrame:
@@ -130,7 +141,7 @@ def synthetic_recall() -> pd.DataFrame:
              "exact_teacher_forced": bool((s == "full") or (d > 0.5) or (b >= 64))}
             for s in ("full", "window", "h2o") for b in (16, 64) for d in (0.1, 0.5, 0.9)
             for i in range(2)]  # fmt: skip
-    return pd.DataFrame(rows)
+    return with_facts(pd.DataFrame(rows))
 
 
 FIGS = [
@@ -150,7 +161,7 @@ FIGS = [
     ("nll_vs_position", lambda: F.nll_vs_position(synthetic_curves(), 16), "token position", "NLL"),
     ("quality_vs_memory", lambda: F.quality_vs_memory(synthetic_runs()), "KV cache held", "perplexity"),
     ("throughput", lambda: F.throughput(synthetic_runs()), "token-steps / s", ""),
-    ("sink_mass", lambda: F.sink_mass(synthetic_runs()), "layer", "% attention"),
+    ("sink_mass", lambda: F.sink_mass(synthetic_layers()), "layer", "% attention"),
     ("position_modes", lambda: F.position_modes(synthetic_streams()), "", "perplexity"),
     ("attention_heatmap", lambda: F.attention_heatmap(synthetic_attention()), "key position", "layer"),
     ("recall_heatmaps", lambda: F.recall_heatmaps(synthetic_recall()), "budget", "needle depth"),
@@ -174,16 +185,25 @@ def test_figure_functions(name, make, xlabel, ylabel, tmp_path: Path):
     plt.close(fig)
 
 
-def test_policy_colours_are_fixed():
-    assert F.ordered(["oracle", "zzz", "window", "full"]) == ["full", "window", "oracle", "zzz"]
-    assert F.color("h2o") == F.COLORS["h2o"] and len(set(map(tuple, F.COLORS.values()))) == len(F.COLORS)
+def test_policy_order_labels_and_colours_come_from_the_tables():
+    frame = with_facts(pd.DataFrame({"strategy": sorted(POLICIES)}))
+    unknown = pd.DataFrame(
+        [{"strategy": "zzz", "strategy_label": "Z", "strategy_order": 100, "evicts": True}]
+    )
+    P = F.Policies(pd.concat([frame, unknown], ignore_index=True))
+    assert P.ordered()[:3] == ["full", "window", "streaming_llm"] and P.ordered()[-1] == "zzz"
+    assert P.ordered() == sorted(P.order, key=lambda n: (POLICIES[n].order if n in POLICIES else 100, n))
+    assert P.label("oracle") == "oracle (non-causal)" and P.label("zzz") == "Z" and P.references == {"full"}
+    colours = [tuple(P.color(n)) for n in POLICIES]
+    assert len(set(colours)) == len(POLICIES) and P.color("zzz") == "0.3"
 
 
 def test_report_references_every_figure(sweep: Path, tmp_path: Path):
     out, report = tmp_path / "figs", tmp_path / "report" / "index.html"
-    assert figures_main([str(sweep), "--out", str(out), "--report", str(report)]) == 0
+    aggregate([sweep], sweep)
+    assert report_main([str(sweep), "--out", str(out), "--report", str(report), "--no-wandb"]) == 0
     html = report.read_text()
-    figs = build_figures(aggregate([sweep]))
+    figs = F.draw_all(load_tables(sweep))
     expected = {"ppl_vs_budget", "position_modes", "nll_vs_position", "sink_mass", "attention_heatmap"}
     assert expected <= set(figs)
     for stem in figs:
@@ -194,11 +214,15 @@ def test_report_references_every_figure(sweep: Path, tmp_path: Path):
     assert "StreamingLLM" in html and "perplexity [95% CI]" in html
 
 
-def test_figures_cli_bad_input(tmp_path: Path, capsys):
-    assert figures_main([str(tmp_path / "nope")]) == 2
+def test_report_cli_bad_input(tmp_path: Path, capsys):
+    assert report_main([str(tmp_path / "nope")]) == 2
     assert "no such sweep folder" in capsys.readouterr().err
     (tmp_path / "empty").mkdir()
-    assert figures_main([str(tmp_path / "empty")]) == 2
+    assert report_main([str(tmp_path / "empty")]) == 2
+    assert "run `python -m evictlab.aggregate" in capsys.readouterr().err
+    aggregate([tmp_path / "empty"], tmp_path / "empty")  # aggregated, but nothing finished
+    assert report_main([str(tmp_path / "empty")]) == 2
+    assert "no finished runs" in capsys.readouterr().err
 
 
 def test_report_figures_and_table_are_mirrored_to_wandb(sweep: Path, tmp_path: Path):
@@ -208,15 +232,18 @@ def test_report_figures_and_table_are_mirrored_to_wandb(sweep: Path, tmp_path: P
     # the sweep fixture ran with logger=none; the same tables with offline logging write a report run
     from evictlab.analysis.report import _log_to_wandb
 
-    tables = aggregate([sweep])
-    tables["results"] = tables["results"].assign(
-        **{"cfg.logger.mode": "offline", "cfg.paths.outputs": str(tmp_path)}
-    )
-    figs = build_figures(tables)
+    aggregate([sweep], sweep)
+    tables = load_tables(sweep)
+    figs = F.draw_all(tables)
     out.mkdir()
     for stem, fig in figs.items():
         fig.savefig(out / f"{stem}.png")
-    _log_to_wandb(tables, out, figs, "t")
+    # the sweep ran with logger=none; a sweep whose runs log offline: its report run is offline too
+    offline = tmp_path / "t" / "run"
+    offline.mkdir(parents=True)
+    (offline / "config.yaml").write_text(f"logger: {{mode: offline}}\npaths: {{outputs: {tmp_path}}}\n")
+    (offline / "run_info.json").write_text("{}")
+    _log_to_wandb(offline.parent, tables, out, figs)
     files = list(tmp_path.glob("wandb/offline-run-*-report-t/run-report-t.wandb"))
     assert len(files) == 1
     wb = read_run(files[0])
@@ -232,7 +259,7 @@ def test_recall_heatmaps_wrap_and_mark_policies_that_cannot_generate():
     rec = synthetic_recall()
     oracle = rec[rec["strategy"] == "h2o"].assign(strategy="oracle", exact_greedy=np.nan)
     more = [rec.assign(strategy=s) for s in ("tova", "scissorhands", "random")]
-    fig = F.recall_heatmaps(pd.concat([rec, oracle, *more], ignore_index=True))
+    fig = F.recall_heatmaps(with_facts(pd.concat([rec, oracle, *more], ignore_index=True)))
     titles = [a.get_title() for a in fig.axes if a.get_title()]
     assert len(titles) == 7 and titles[-1] == "oracle (non-causal)"  # 7 panels over 2 rows of 5
     oracle_ax = next(a for a in fig.axes if a.get_title() == "oracle (non-causal)")

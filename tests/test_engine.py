@@ -11,9 +11,10 @@ import torch
 from evictlab.cache import make_policy
 from evictlab.cache.budget import allocate
 from evictlab.data import load_corpus
+from evictlab.data.streams import eval_streams
 from evictlab.errors import ConfigError
-from evictlab.eval import full_reference, stream
-from evictlab.eval.evaluate import eval_streams, evaluate, kv_bytes
+from evictlab.eval import StreamSpec, full_reference, stream
+from evictlab.eval.evaluate import evaluate, kv_bytes
 from evictlab.models.gpt import GPT, GPTConfig
 from tests.conftest import make_cfg
 
@@ -69,12 +70,12 @@ def test_cache_mode_needs_rope(tokens):
         GPTConfig(name="t", vocab_size=40, n_layer=1, n_head=2, n_embd=16, pos_emb="learned")
     ).eval()
     with pytest.raises(ConfigError, match="position_mode=cache needs RoPE"):
-        stream(learned, tokens, make_policy("window"), 8, position_mode="cache")
-    stream(learned, tokens, make_policy("window"), 8, position_mode="original")  # fine
+        stream(learned, tokens, make_policy("window"), 8, StreamSpec(position_mode="cache"))
+    stream(learned, tokens, make_policy("window"), 8, StreamSpec(position_mode="original"))  # fine
 
 
 def test_oracle_needs_the_future(model, tokens):
-    with pytest.raises(ValueError, match="future=True"):
+    with pytest.raises(ConfigError, match="future=True"):
         stream(model, tokens, make_policy("oracle"), 8)
     assert "non-causal" in make_policy("oracle").label
 
@@ -88,11 +89,11 @@ def test_pyramid_allocation_keeps_the_total_and_tilts_down():
 
 
 def test_pyramid_runs_and_reports_layer_budgets(model, tokens):
-    out = stream(model, tokens, make_policy("h2o"), 8, allocation="pyramid")
+    out = stream(model, tokens, make_policy("h2o"), 8, StreamSpec(allocation="pyramid"))
     assert out.budgets == allocate(8, 4, "pyramid")
     assert out.occupancy.max(0).values.tolist() == out.budgets
     with pytest.raises(ConfigError, match="layer 3 of the pyramid allocation"):
-        stream(model, tokens, make_policy("streaming_llm"), 6, allocation="pyramid")
+        stream(model, tokens, make_policy("streaming_llm"), 6, StreamSpec(allocation="pyramid"))
 
 
 def test_stream_longer_than_the_documents(session_outputs):
@@ -112,7 +113,7 @@ def test_stream_longer_than_the_documents(session_outputs):
 
 
 def test_evaluate_summary_is_consistent(model, tokens):
-    res = evaluate(model, tokens, make_policy("h2o"), 8, batch_size=1)
+    res = evaluate(model, tokens, make_policy("h2o"), 8, StreamSpec(batch_size=1))
     s, pt = res.summary, res.per_token
     assert (
         pt["nll"].shape == (2, 32) and pt["lost"].shape == (2, 32, 4) and pt["sink_mass"].shape == (2, 32, 4)
@@ -123,17 +124,33 @@ def test_evaluate_summary_is_consistent(model, tokens):
     )
     assert s["ppl_second_half"] == pytest.approx(math.exp(pt["nll"][:, 16:].mean()), rel=1e-6)
     assert s["delta_nll"] == pytest.approx((pt["nll"] - pt["nll_full"]).mean(), abs=1e-6)
-    assert 0 <= s["attention_lost"] <= 1 and all(0 <= m <= 1 for m in s["sink_mass_per_layer"])
-    per_head = np.array(s["first_position_mass_per_head"]).reshape(4, 4)  # layers x heads
-    ref = res.references[0]  # batch_size=1: the first stream's full-cache attention
-    expected = np.stack([a[0, :, :, 0].mean(-1).numpy() for a in ref.attn])
-    other = np.stack([a[0, :, :, 0].mean(-1).numpy() for a in res.references[1].attn])
-    np.testing.assert_allclose(per_head, (expected + other) / 2, rtol=1e-5)
+    assert all(not isinstance(v, list | dict) for k, v in s.items() if k != "strategy_params")  # scalars only
     assert s["kl_mean"] > 0 and 0 < s["agreement"] < 1 and s["path"] == "loop" and s["occupancy_max"] == 8
     assert 0 < s["policy_time_share"] < 1 and s["token_steps_per_s"] > 0 and s["peak_rss_bytes"] > 0
-    full = evaluate(model, tokens, make_policy("full"), 8, references=res.references)
+    assert s["strategy_label"] == "h2o" and s["evicts"] and not s["non_causal"]
+
+
+def test_layer_table_is_tidy_and_matches_the_full_cache_attention(model, tokens):
+    res = evaluate(model, tokens, make_policy("h2o"), 8, StreamSpec(batch_size=1))
+    layers = res.layers
+    assert list(layers.columns) == ["layer", "head", "metric", "value"]
+    by = {m: g for m, g in layers.groupby("metric")}
+    assert by["budget"]["value"].tolist() == [8.0] * 4 and by["budget"]["head"].isna().all()
+    lost = by["attention_lost"].sort_values("layer")["value"].to_numpy()
+    np.testing.assert_allclose(lost, res.per_token["lost"].mean(axis=(0, 1)), rtol=1e-6)
+    assert ((by["sink_mass"]["value"] >= 0) & (by["sink_mass"]["value"] <= 1)).all()
+    # first_position_mass per (layer, head) = mean over both streams of the full cache's attention on pos 0
+    per_head = by["first_position_mass"].pivot(index="layer", columns="head", values="value").to_numpy()
+    refs = [full_reference(model, tokens[i : i + 1]) for i in range(2)]
+    expected = [np.stack([a[0, :, :, 0].mean(-1).numpy() for a in r.attn]) for r in refs]
+    np.testing.assert_allclose(per_head, (expected[0] + expected[1]) / 2, rtol=1e-5)
+
+
+def test_full_cache_against_itself(model, tokens):
+    full = evaluate(model, tokens, make_policy("full"), 8)
     assert full.summary["kl_mean"] == pytest.approx(0, abs=1e-6) and full.summary["agreement"] == 1.0
-    assert full.summary["ppl"] == pytest.approx(s["ppl_full"], rel=1e-6)
+    assert full.summary["ppl"] == pytest.approx(full.summary["ppl_full"], rel=1e-6)
+    assert not full.summary["evicts"] and full.summary["budget"] == 32
 
 
 def test_kv_bytes_are_bounded_for_evicting_policies(model):

@@ -11,6 +11,7 @@ import torch
 
 from evictlab.cache import POLICIES, make_policy
 from evictlab.errors import ConfigError
+from evictlab.eval import StreamSpec
 from evictlab.eval.engine import generate
 from evictlab.eval.evaluate import greedy_divergence
 from evictlab.models.gpt import GPT, GPTConfig
@@ -42,7 +43,7 @@ def test_full_cache_generation_equals_naive_greedy(model):
 
 def test_recompute_window_generation_equals_a_fresh_forward_per_token(model):
     prompt = torch.randint(0, 30, (2, 20))
-    got = generate(model, prompt, make_policy("recompute_window"), 6, 8, position_mode="cache")
+    got = generate(model, prompt, make_policy("recompute_window"), 6, 8, StreamSpec(position_mode="cache"))
     torch.testing.assert_close(got, naive_greedy(model, prompt, 8, window=7))
 
 
@@ -55,7 +56,7 @@ def test_budget_covering_the_sequence_generates_like_the_full_cache(model, name)
 
 def test_divergence_summary(model):
     tokens = torch.randint(0, 30, (3, 40))
-    g = greedy_divergence(model, tokens, make_policy("window"), 4, 12, batch_size=2)
+    g = greedy_divergence(model, tokens, make_policy("window"), 4, 12, StreamSpec(batch_size=2))
     assert g["policy_tokens"].shape == g["full_tokens"].shape == (3, 12)
     for s in range(3):
         same = g["policy_tokens"][s] == g["full_tokens"][s]

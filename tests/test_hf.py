@@ -13,7 +13,7 @@ import transformers
 
 from evictlab.cache import make_policy
 from evictlab.errors import ConfigError
-from evictlab.eval import stream
+from evictlab.eval import StreamSpec, stream
 from evictlab.models.hf import load_hf_model
 
 V = 97
@@ -76,7 +76,7 @@ def test_streaming_full_cache_matches_transformers_decoding(saved):
     kind, hf, path = saved
     model, _ = load_hf_model(str(path))
     tokens = torch.randint(0, V, (1, 33))
-    out = stream(model, tokens, make_policy("full"), 32, force_loop=True)
+    out = stream(model, tokens, make_policy("full"), 32, StreamSpec(force_loop=True))
     nll, past = [], None
     with torch.no_grad():
         for t in range(tokens.shape[1] - 1):
@@ -94,7 +94,7 @@ def test_half_precision_weights_and_cache(saved, dtype):
     _, _, path = saved
     model, _ = load_hf_model(str(path), dtype=dtype)
     assert model.wte.weight.dtype == getattr(torch, dtype)
-    out = stream(model, torch.randint(0, V, (1, 17)), make_policy("window"), 8, force_loop=True)
+    out = stream(model, torch.randint(0, V, (1, 17)), make_policy("window"), 8, StreamSpec(force_loop=True))
     assert out.nll.dtype == getattr(torch, dtype) and torch.isfinite(out.nll).all()
 
 

@@ -61,23 +61,30 @@ def test_rope_preserves_norm_and_position_zero_is_identity():
     torch.testing.assert_close(apply_rope(x[:, :1], pos[:1], 500.0), x[:, :1])
 
 
-def test_block_with_external_attention_equals_plain_forward():
+def test_forward_with_external_attention_equals_plain_forward():
     """Driving each block's attention from outside (as the KV engine does) reproduces forward()."""
     model = tiny(n_kv_head=2)
     idx = torch.randint(0, 50, (2, 11))
     pos = torch.arange(11)
-    x = model.embed(idx, pos)
-    for block in model.blocks:
-        a = block.attn
+    seen = []
 
-        def attn_fn(h, a=a):
-            q, k, v = a.project(h)
-            return a.out(
-                a.attend(a.rotate(q, pos), a.rotate(k, pos), v, mask=torch.ones(11, 11).tril().bool())
-            )
+    def attend(l, a, h):
+        seen.append(l)
+        q, k, v = a.project(h)
+        return a.out(a.attend(a.rotate(q, pos), a.rotate(k, pos), v, mask=torch.ones(11, 11).tril().bool()))
 
-        x = block(x, attn=attn_fn)
-    torch.testing.assert_close(model.head(x), model(idx), rtol=0, atol=1e-12)
+    torch.testing.assert_close(model.forward_with(idx, pos, attend), model(idx), rtol=0, atol=1e-12)
+    assert seen == list(range(model.cfg.n_layer))
+
+
+def test_per_row_positions_equal_shared_positions():
+    """forward_with at positions [B, T] (each row its own offset) equals each row alone at its offset."""
+    model = tiny()
+    idx = torch.randint(0, 50, (2, 7))
+    pos = torch.stack([torch.arange(7) + 3, torch.arange(7) + 20])
+    both = model.forward_with(idx, pos)
+    for b in range(2):
+        torch.testing.assert_close(both[b], model.forward_with(idx[b : b + 1], pos[b])[0], rtol=0, atol=1e-12)
 
 
 def test_learned_positions_differ_from_rope_and_check_table_size():

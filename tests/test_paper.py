@@ -5,9 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import yaml
 
 from evictlab import paper
+from tests.test_configs import grid
 
 
 def test_every_experiment_folder_is_complete():
@@ -38,10 +38,7 @@ def test_snapshots_are_real_sweeps():
         spec = paper.load_spec(folder)
         res = paper.load_snapshot(folder)["results"]
         assert set(res["group"]) == {spec["experiment"]}
-        sweep = yaml.safe_load(
-            (paper.REPO_ROOT / "conf" / "experiment" / f"{spec['experiment']}.yaml").read_text()
-        )
-        strategies = set(sweep["hydra"]["sweeper"]["params"]["strategy"].split(","))
+        strategies = {p[0].removeprefix("strategy=") for p in grid(spec["experiment"])}
         assert set(res["strategy"]) == strategies
         assert res["run_key"].str.fullmatch(r"[0-9a-f]{16}").all()
 

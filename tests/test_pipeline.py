@@ -41,7 +41,14 @@ def test_run_writes_its_files_and_resumes(outputs: Path):
     d = run_mod.run_dir(cfg)
     assert d.name.startswith("h2o-b16-") and d.parent.name == "adhoc"
     files = {p.name for p in d.iterdir()}
-    assert files == {"config.yaml", "run_info.json", "per_token.parquet", "attention.parquet", "metrics.json"}
+    assert files == {
+        "config.yaml",
+        "run_info.json",
+        "per_token.parquet",
+        "layers.parquet",
+        "attention.parquet",
+        "metrics.json",
+    }
     assert metrics["status"] == "ok" and metrics["run_key"] == run_mod.run_key(cfg)
     frame = pd.read_parquet(d / "per_token.parquet")
     assert len(frame) == 2 * 95 and {"stream", "position", "nll", "kl", "agree", "lost_mean"} <= set(frame)
@@ -50,9 +57,25 @@ def test_run_writes_its_files_and_resumes(outputs: Path):
     assert (attn["attention"] > 0).all() and attn.loc[attn["key_position"] == 94, "attention"].notna().all()
     info = json.loads((d / "run_info.json").read_text())
     assert {"git", "packages", "host", "slurm_job_id"} <= set(info)
+    # every key a run emits is documented in docs/results.md
+    doc = (REPO_ROOT / "docs" / "results.md").read_text()
+    layers = pd.read_parquet(d / "layers.parquet")
+    emitted = set(metrics) | set(frame) | set(layers["metric"]) | set(info)
+    undocumented = {k for k in emitted if f"`{k}`" not in doc and not k.startswith(("lost_l", "sink_mass_l"))}
+    assert not undocumented, f"not in docs/results.md: {sorted(undocumented)}"
     mtime = (d / "metrics.json").stat().st_mtime_ns
     again = run_mod.run(cfg_for(outputs, "strategy=h2o", "budget=b16", "logger=none"))
     assert again["skipped"] and (d / "metrics.json").stat().st_mtime_ns == mtime
+
+
+def test_the_analysis_stage_loads_neither_torch_nor_hydra():
+    code = (
+        "import sys, evictlab.analysis.aggregate, evictlab.analysis.report, evictlab.paper; "
+        "heavy = sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'hydra', 'omegaconf'}); "
+        "heavy += [m for m in ('evictlab.run', 'evictlab.config') if m in sys.modules]; print(heavy)"
+    )
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0 and res.stdout.strip() == "[]", res.stdout + res.stderr
 
 
 def test_run_key_ignores_logging_and_threads_but_not_results(outputs: Path):

@@ -10,8 +10,8 @@ import torch
 
 from evictlab.cache import POLICIES, make_policy
 from evictlab.cache.policies import StepContext, choose_victim
-from evictlab.eval import full_reference, reference_stream, stream
-from evictlab.eval.engine import PositionMode, parallel_ok
+from evictlab.eval import PositionMode, StreamSpec, full_reference, reference_stream, stream
+from evictlab.eval.engine import parallel_ok
 from evictlab.models.gpt import GPT, GPTConfig
 
 T = 40  # stream length (tokens, prefix included): 39 predicted tokens
@@ -56,9 +56,10 @@ def setup(request):
     return model, tokens, ref
 
 
-def run(setup, name, mode, budget, **kw):
+def run(setup, name, mode, budget, force_loop=False):
     model, tokens, ref = setup
-    return stream(model, tokens, make_policy(name), budget, position_mode=mode, reference=ref, **kw)
+    spec = StreamSpec(position_mode=mode, force_loop=force_loop)
+    return stream(model, tokens, make_policy(name), budget, spec, reference=ref)
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -71,7 +72,7 @@ def test_engine_equals_reference_loop(setup, name, mode, size):
     policy = make_policy(name)
     for b in range(tokens.shape[0]):
         nll, kept = reference_stream(
-            model, tokens[b], policy, budget, position_mode=mode, reference=ref, doc=b, row=b
+            model, tokens[b], policy, budget, StreamSpec(position_mode=mode), reference=ref, doc=b, row=b
         )
         assert (nll - out.nll[b]).abs().max().item() <= 1e-5, (name, mode, b)
         for l, pos in enumerate(kept if out.kept else []):  # loop path: the same entries survive
@@ -135,6 +136,8 @@ PARALLEL = [(n, m) for n in NAMES for m in MODES if parallel_ok(make_policy(n), 
 
 def test_parallel_path_exists_for_the_position_static_policies():
     assert {n for n, _ in PARALLEL} == {"full", "window", "streaming_llm"}
+    # in cache mode only the shift-invariant ones (a contiguous recent window keeps its distances)
+    assert {n for n, m in PARALLEL if m == "cache"} == {n for n in NAMES if POLICIES[n].shift_invariant}
 
 
 @pytest.mark.parametrize("name, mode", PARALLEL)

@@ -15,9 +15,10 @@ import pytest
 
 from evictlab.analysis import figures as F
 from evictlab.analysis.aggregate import aggregate, wide
-from evictlab.analysis.report import build_figures, headline_table
+from evictlab.analysis.report import headline_table, load_tables
 from evictlab.config import CONF_DIR, compose, to_objects
 from evictlab.store import REPO_ROOT
+from tests.test_analysis import with_facts
 from tests.test_pipeline import cfg_for
 
 VARIANTS = sorted(p.stem for p in (CONF_DIR / "variant").glob("*.yaml"))
@@ -76,10 +77,13 @@ def test_a_sweep_without_skip_invalid_still_fails_loudly(outputs: Path):
 
 def test_variant_figures_and_headline(variant_sweep, tmp_path: Path):
     sweep, _ = variant_sweep
-    tables = aggregate([sweep])
+    aggregate([sweep], sweep)
+    tables = load_tables(sweep)
     runs = wide(tables["results"])
-    assert set(runs["variant"]) == {"base", "learned_pos"} and {"n_layer", "n_head"} <= set(runs)
-    figs = build_figures(tables)
+    assert set(runs["variant"]) == {"base", "learned_pos"}
+    mass = F.layer_values(tables["layers"], "first_position_mass")
+    assert mass.groupby("variant")["head"].nunique().to_dict() == {"base": 4, "learned_pos": 4}  # gpt_tiny
+    figs = F.draw_all(tables)
     assert {"sink_by_variant", "eviction_by_variant", "ppl_vs_budget"} <= set(figs)
     # the per-policy figures show the base model only: they never average different models
     heat = figs["sink_by_variant"].axes[0]
@@ -98,26 +102,28 @@ def test_eviction_by_variant_is_the_paired_ratio_to_the_full_cache():
                       "stream": s, "seed": 0, "nll": 1.0 + gap + 0.01 * s, "nll_full": 1.0 + 0.01 * s},
                      {"variant": v, "strategy": "streaming_llm", "position_mode": "original", "budget": 64,
                       "stream": s, "seed": 0, "nll": 1.0 + 0.01 * s, "nll_full": 1.0 + 0.01 * s}]  # fmt: skip
-    fig = F.eviction_by_variant(pd.DataFrame(rows))
+    fig = F.eviction_by_variant(with_facts(pd.DataFrame(rows)))
     points = {c.get_label(): c.lines[0].get_ydata().tolist() for c in fig.axes[0].containers}
     assert points["window (original)"] == pytest.approx([1.0, math.exp(0.5)])  # worse on the sinky model
     assert points["StreamingLLM (original)"] == pytest.approx([1.0, 1.0])
 
 
-def _variant_runs() -> pd.DataFrame:
-    """Wide runs of three variants: 3 layers x 4 heads; head (l, h) gets mass 0.01 * (l * 4 + h) * scale."""
-    rows = []
+def _variant_tables() -> tuple[pd.DataFrame, pd.DataFrame]:
+    """(layers, runs) of three variants: 3 layers x 4 heads; head (l, h) gets mass 0.01 * (l * 4 + h) *
+    scale in the full-cache run."""
+    runs, layers = [], []
     for variant, scale, gap in (("steps200", 1.0, 1.00), ("base", 2.0, 1.05), ("steps800", 4.0, 1.20)):
         for strategy, ppl in (("full", 3.0), ("window", 3.0 * gap), ("streaming_llm", 3.0)):
-            row = {"variant": variant, "strategy": strategy, "position_mode": "original", "ppl": ppl,
-                   "n_layer": 3, "n_head": 4}  # fmt: skip
-            row |= {f"first_position_mass_per_head[{i}]": 0.01 * i * scale for i in range(12)}
-            rows.append(row)
-    return pd.DataFrame(rows).sample(frac=1, axis=1, random_state=0)  # column order must not matter
+            runs.append({"variant": variant, "strategy": strategy, "position_mode": "original", "ppl": ppl})
+        layers += [{"variant": variant, "strategy": "full", "position_mode": "original", "layer": i // 4,
+                    "head": i % 4, "metric": "first_position_mass", "value": 0.01 * i * scale}
+                   for i in range(12)]  # fmt: skip
+    layers = pd.DataFrame(layers).sample(frac=1, random_state=0)  # row order must not matter
+    return with_facts(layers), with_facts(pd.DataFrame(runs))
 
 
-def test_first_token_mass_reads_heads_in_numeric_order():
-    mass = F._first_token_mass(_variant_runs())
+def test_first_token_mass_is_layers_by_heads():
+    mass = F.first_token_mass(_variant_tables()[0])
     assert set(mass) == {"steps200", "base", "steps800"}
     assert mass["base"].shape == (3, 4)
     assert mass["base"][2, 3] == pytest.approx(0.01 * 11 * 2.0)  # [11] is layer 2 head 3, not after [1]
@@ -125,7 +131,8 @@ def test_first_token_mass_reads_heads_in_numeric_order():
 
 
 def test_sink_trend_plots_mass_and_ppl_ratio_against_the_knob():
-    fig = F.sink_trend(_variant_runs(), {"training steps": {"steps200": 200, "base": 400, "steps800": 800}})
+    layers, runs = _variant_tables()
+    fig = F.sink_trend(layers, runs, {"training steps": {"steps200": 200, "base": 400, "steps800": 800}})
     top, bottom = fig.axes[0], fig.axes[1]
     strongest = top.get_lines()[0]
     assert strongest.get_xdata().tolist() == [200, 400, 800]
@@ -138,21 +145,24 @@ def test_variant_table_has_one_row_per_variant(variant_sweep):
     from evictlab.analysis.report import variant_table
 
     sweep, _ = variant_sweep
-    t = variant_table(aggregate([sweep]))
+    aggregate([sweep], sweep)
+    t = variant_table(load_tables(sweep))
     assert list(t["variant"]) == ["base", "learned_pos"]
-    assert t.loc[1, "StreamingLLM (cache) / full"] == "-"  # learned positions: no cache mode
+    assert t.loc[1, "window (cache) / full"] == "-"  # learned positions: no cache mode
+    assert "StreamingLLM (original) / full" not in t  # the arms are the ones the sweep ran
     assert t.loc[0, "window (original) / full"].count("[") == 1 and t["full-cache ppl"].gt(1).all()
 
 
 def test_report_finds_the_scale_knobs_of_the_committed_sink_sweep():
     from evictlab import paper
-    from evictlab.analysis.report import trend_axes
 
     tables = paper.load_snapshot(paper.EXPERIMENTS / "sink_emergence")
-    axes = trend_axes(tables["results"])
+    axes = F.trend_axes(tables["results"])
     # variants that differ from base in one number only, with at least two of them per knob
     assert axes == {"model.n_layer": {"base": 4, "layers2": 2, "layers8": 8},
                     "train.steps": {"base": 400, "steps200": 200, "steps800": 800}}  # fmt: skip
-    tables = {k: v for k, v in tables.items() if k != "runs"}
-    assert {"sink_by_variant", "eviction_by_variant", "sink_trend"} <= set(build_figures(tables))
-    assert trend_axes(tables["results"], min_points=2)["train.weight_decay"] == {"base": 0.1, "wd_high": 1.0}
+    assert {"sink_by_variant", "eviction_by_variant", "sink_trend"} <= set(F.draw_all(tables))
+    assert F.trend_axes(tables["results"], min_points=2)["train.weight_decay"] == {
+        "base": 0.1,
+        "wd_high": 1.0,
+    }

@@ -8,6 +8,9 @@ any work starts.
 
 from __future__ import annotations
 
+import dataclasses
+import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
@@ -17,17 +20,47 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from evictlab.cache.budget import Allocation
-from evictlab.cache.policies import POLICIES, Policy, make_policy
+from evictlab.cache.budget import Allocation, budgets_for
+from evictlab.cache.policies import POLICIES, Policy, full_cache, make_policy
 from evictlab.data.corpora import DatasetConfig
+from evictlab.data.streams import StreamSource
 from evictlab.data.tokenizers import TokenizerConfig
 from evictlab.errors import ConfigError
-from evictlab.eval.engine import PositionMode, budgets_for
-from evictlab.eval.evaluate import StreamSource
+from evictlab.eval.spec import PositionMode, StreamSpec, check_positions
 from evictlab.models.gpt import GPTConfig, PosEmb
-from evictlab.store import REPO_ROOT
+from evictlab.store import REPO_ROOT, to_jsonable
+from evictlab.tracking import LoggerConfig
 
 CONF_DIR = REPO_ROOT / "conf"
+
+# Field metadata that decides what a run key and a checkpoint key hash (`key_dict`), declared once per field:
+KEYLESS = {"in_key": False}  # cannot change any number a run or a training produces: in no key
+NOT_WEIGHTS = {"weights": False}  # cannot change the trained weights: not in the checkpoint key
+
+
+def neutral(value: Any) -> dict[str, Any]:
+    """A field added after results existed: at this value it is left out of every key, so the keys of
+    older models and runs stay valid."""
+    return {"neutral": value}
+
+
+def key_dict(obj: Any, *, weights: bool = False) -> Any:
+    """A schema dataclass as the JSON value its key hashes: without KEYLESS fields (and NOT_WEIGHTS ones
+    when weights=True) and without fields at their neutral value; a node with a `keyed()` method hashes
+    what that returns."""
+    if hasattr(obj, "keyed"):
+        return to_jsonable(obj.keyed())
+    if not dataclasses.is_dataclass(obj):
+        return to_jsonable(obj)
+    out = {}
+    for f in dataclasses.fields(obj):
+        value, meta = getattr(obj, f.name), f.metadata
+        if meta.get("in_key", True) is False or (weights and meta.get("weights", True) is False):
+            continue
+        if "neutral" in meta and value == meta["neutral"]:
+            continue
+        out[f.name] = key_dict(value, weights=weights)
+    return out
 
 
 @dataclass
@@ -42,14 +75,15 @@ class TrainConfig:
     beta1: float = 0.9
     beta2: float = 0.95
     grad_clip: float = 1.0
-    eval_interval: int = 100  # steps between validation losses (and one at the end)
-    eval_batches: int = 8
+    eval_interval: int = field(default=100, metadata=NOT_WEIGHTS)  # steps between validation losses
+    eval_batches: int = field(default=8, metadata=NOT_WEIGHTS)
     seed: int = 0
-    threads: int = 0  # torch intra-op threads; 0 = torch's default
-    device: str = "cpu"
-    progress: bool = True  # tqdm bar
+    threads: int = field(default=0, metadata=KEYLESS)  # torch intra-op threads; 0 = torch's default
+    device: str = field(default="cpu", metadata=KEYLESS)
+    progress: bool = field(default=True, metadata=KEYLESS)  # tqdm bar
     recall_share: float = 0.0  # share of training samples replaced by pass-key documents (data/recall.py)
-    recall_queries: int = 1  # times each training pass-key document asks for (and answers) its key
+    # times each training pass-key document asks for (and answers) its key
+    recall_queries: int = field(default=1, metadata=neutral(1))
 
     def __post_init__(self) -> None:
         if not 0 <= self.recall_share < 1:
@@ -79,8 +113,8 @@ class TrainConfig:
 class StrategyConfig:
     """An eviction policy by registered name, with its dataclass parameters."""
 
-    name: str = "full"
-    params: dict[str, Any] = field(default_factory=dict)
+    name: str = full_cache().name
+    params: dict[str, Any] = field(default_factory=dict)  # overrides of the policy dataclass's defaults
 
     def __post_init__(self) -> None:
         if self.name not in POLICIES:
@@ -89,6 +123,11 @@ class StrategyConfig:
 
     def build(self) -> Policy:
         return make_policy(self.name, **dict(self.params))
+
+    def keyed(self) -> dict[str, Any]:
+        """What a run key hashes: the policy's name and every parameter, defaults included (so a default
+        written in a YAML or left to the dataclass gives the same key)."""
+        return {"name": self.name, "params": self.build().params()}
 
 
 @dataclass
@@ -127,21 +166,20 @@ class EvalConfig:
     split: str = "test"
     position_mode: PositionMode = PositionMode.original
     allocation: Allocation = Allocation.uniform
-    batch_size: int = 16
+    batch_size: int = field(default=16, metadata=KEYLESS)
     diagnostics: bool = True  # attention lost / sink mass (needs the full-cache attention matrices)
     force_loop: bool = False  # never take the parallel path
-    device: str = "cpu"
-    threads: int = 1  # torch threads per run (sweeps run several runs at once)
-    progress: bool = False
+    device: str = field(default="cpu", metadata=KEYLESS)
+    threads: int = field(default=1, metadata=KEYLESS)  # torch threads per run (sweeps run several at once)
+    progress: bool = field(default=False, metadata=KEYLESS)
     generate_tokens: int = 0  # > 0: greedy continuations of this many tokens vs the full cache's
     task: EvalTask = EvalTask.lm
     recall_depths: list[float] = field(default_factory=lambda: [0.1, 0.3, 0.5, 0.7, 0.9])
     recall_per_depth: int = 4  # streams per depth (task=recall; eval.n_streams is ignored)
 
     def __post_init__(self) -> None:
-        for key in ("n_streams", "batch_size"):
-            if getattr(self, key) < 1:
-                raise ConfigError(f"eval.{key}={getattr(self, key)} must be >= 1")
+        if self.n_streams < 1:
+            raise ConfigError(f"eval.n_streams={self.n_streams} must be >= 1")
         if self.stream_len < 2:
             raise ConfigError(f"eval.stream_len={self.stream_len} must be >= 2")
         if self.split not in ("train", "val", "test"):
@@ -153,20 +191,12 @@ class EvalConfig:
         if not 0 <= self.generate_tokens < self.stream_len:
             raise ConfigError(f"eval.generate_tokens={self.generate_tokens} must be in [0, eval.stream_len)")
         check_device("eval.device", self.device)
+        self.spec()
 
-
-class LoggerMode(str, Enum):
-    offline = "offline"  # write W&B runs locally; `make sync` uploads them later
-    online = "online"
-    disabled = "disabled"
-
-
-@dataclass
-class LoggerConfig:
-    mode: LoggerMode = LoggerMode.offline
-    project: str | None = None  # None: $WANDB_PROJECT or "evictlab"
-    entity: str | None = None  # None: $WANDB_ENTITY or your default entity
-    log_checkpoint: bool = True  # the checkpoint as a W&B artifact (train runs)
+    def spec(self) -> StreamSpec:
+        """How each stream is evaluated: the settings the engine reads, as one value."""
+        keys = ("position_mode", "allocation", "batch_size", "diagnostics", "force_loop", "progress")
+        return StreamSpec(**{k: getattr(self, k) for k in keys})
 
 
 @dataclass
@@ -194,34 +224,26 @@ class Config:
     strategy: StrategyConfig = field(default_factory=StrategyConfig)
     budget: BudgetConfig = field(default_factory=BudgetConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
-    logger: LoggerConfig = field(default_factory=LoggerConfig)
-    paths: PathsConfig = field(default_factory=PathsConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig, metadata=KEYLESS)
+    paths: PathsConfig = field(default_factory=PathsConfig, metadata=KEYLESS)
     seed: int = 0  # evaluation seed: which stretch of text the streams cover, and seeded policies
-    group: str = "adhoc"  # the sweep (experiment) a run belongs to: names its folder and W&B group
+    # the sweep (experiment) a run belongs to: names its folder and W&B group
+    group: str = field(default="adhoc", metadata=KEYLESS)
     variant: str = "base"  # name of the conf/variant/ recipe the model/train/dataset keys came from
-    skip_invalid: bool = False  # in a sweep grid: skip (exit 0) a combination that fails validation
+    # in a sweep grid: skip (exit 0) a combination that fails validation
+    skip_invalid: bool = field(default=False, metadata=KEYLESS)
 
     def __post_init__(self) -> None:
         if self.model.name_or_path:  # a pretrained checkpoint brings its own tokenizer
             self.tokenizer = TokenizerConfig(kind="hf", name_or_path=self.model.name_or_path)
         if self.model.dtype not in ("float32", "float16", "bfloat16"):
             raise ConfigError(f"model.dtype={self.model.dtype!r} must be float32, float16 or bfloat16")
-        learned = self.model.pos_emb is PosEmb.learned
-        if learned and self.train.seq_len > self.model.block_size:
+        if self.model.pos_emb is PosEmb.learned and self.train.seq_len > self.model.block_size:
             raise ConfigError(
                 f"train.seq_len={self.train.seq_len} is longer than the learned position table "
                 f"(model.block_size={self.model.block_size})"
             )
-        if learned and self.eval.stream_len > self.model.block_size:
-            raise ConfigError(
-                f"eval.stream_len={self.eval.stream_len} is longer than the learned position table "
-                f"(model.block_size={self.model.block_size})"
-            )
-        if learned and self.eval.position_mode is PositionMode.cache:
-            raise ConfigError(
-                "eval.position_mode=cache needs RoPE: positions cannot be re-indexed inside the cache for "
-                "model.pos_emb=learned"
-            )
+        check_positions(self.model, self.eval.position_mode, self.eval.stream_len)
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise ConfigError(f"seed={self.seed!r} must be an integer")
         check_device("train.device", self.train.device)
@@ -238,7 +260,13 @@ class Config:
 
 
 def register_configs() -> None:
-    ConfigStore.instance().store(name="config_schema", node=Config)
+    """The typed schema of conf/config.yaml, and for each registered policy a node `policy/<name>` holding
+    its dataclass defaults: `conf/strategy/<name>.yaml` extends it (`defaults: [/policy@_here_: <name>]`),
+    so every parameter can be set from the command line while the class stays their only home."""
+    store = ConfigStore.instance()
+    store.store(name="config_schema", node=Config)
+    for name, cls in POLICIES.items():
+        store.store(group="policy", name=name, node={"name": name, "params": to_jsonable(cls().params())})
 
 
 register_configs()
@@ -268,3 +296,32 @@ def to_objects(cfg: DictConfig) -> Config:
         raise ConfigError(f"{key}: {msg}" if key and key not in msg else msg) from None
     assert isinstance(obj, Config)
     return obj
+
+
+def hydra_entry(job: Callable[[Config], str]) -> None:
+    """A command-line entry point: compose conf/ with the command line (Hydra), validate it, run `job` and
+    print the line it returns. A bad value or input prints `error: ...` and exits 2; in a sweep grid with
+    skip_invalid=true, a combination that fails validation is skipped (exit 0)."""
+    import hydra
+
+    @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")
+    def _main(dcfg: DictConfig) -> None:
+        try:
+            cfg = to_objects(dcfg)
+        except ConfigError as e:
+            if dcfg.get("skip_invalid"):  # a grid that crosses e.g. learned positions with cache mode
+                print(f"skipped (not a valid combination): {e}", file=sys.stderr)
+                return
+            _fail(e)
+        try:
+            line = job(cfg)
+        except ConfigError as e:  # data-dependent checks (e.g. streams longer than the documents)
+            _fail(e)
+        print(line)
+
+    _main()
+
+
+def _fail(e: ConfigError) -> None:
+    print(f"error: {e}", file=sys.stderr)
+    sys.exit(2)

@@ -4,8 +4,8 @@
     python -m evictlab.paper run       # make paper: re-run each experiment's sweep, refresh, redraw
 
 Each `experiments/<name>/` holds `figures.yaml` (which Hydra experiment produces it and which figures
-to draw, with their arguments), a README, and `snapshot/` (the aggregated tables of that sweep:
-results, streams, curves, attention parquet files).
+of the registry in analysis/figures.py to draw, with their arguments), a README, and `snapshot/` (the
+aggregated tables of that sweep, evictlab/results.py: TABLES).
 """
 
 from __future__ import annotations
@@ -20,45 +20,26 @@ import matplotlib.pyplot as plt
 import pandas as pd
 import yaml
 
+from evictlab import results as R
 from evictlab.analysis import figures as F
-from evictlab.analysis.aggregate import wide
+from evictlab.analysis.report import load_tables
 from evictlab.store import REPO_ROOT, outputs_dir
 
 EXPERIMENTS = REPO_ROOT / "experiments"
-TABLES = ("results", "streams", "curves", "attention", "recall")
-
-# figure name -> (function, the table it reads: streams | curves | runs | attention)
-FIGURES = {
-    "ppl_vs_budget": (F.ppl_vs_budget, "streams"),
-    "kl_vs_budget": (F.kl_vs_budget, "streams"),
-    "agreement_vs_budget": (F.agreement_vs_budget, "streams"),
-    "nll_vs_position": (F.nll_vs_position, "curves"),
-    "quality_vs_memory": (F.quality_vs_memory, "runs"),
-    "throughput": (F.throughput, "runs"),
-    "sink_mass": (F.sink_mass, "runs"),
-    "attention_heatmap": (F.attention_heatmap, "attention"),
-    "position_modes": (F.position_modes, "streams"),
-    "recall_heatmaps": (F.recall_heatmaps, "recall"),
-    "sink_by_variant": (F.sink_by_variant, "runs"),
-    "eviction_by_variant": (F.eviction_by_variant, "streams"),
-    "sink_trend": (F.sink_trend, "runs"),
-}
 
 
 def load_spec(folder: Path) -> dict:
     spec = yaml.safe_load((folder / "figures.yaml").read_text()) or {}
-    unknown = [f["name"] for f in spec.get("figures", []) if f["name"] not in FIGURES]
+    unknown = [f["name"] for f in spec.get("figures", []) if f["name"] not in F.FIGURES]
     if unknown:
-        raise ValueError(f"{folder / 'figures.yaml'}: unknown figure(s) {unknown}; known: {sorted(FIGURES)}")
+        raise ValueError(
+            f"{folder / 'figures.yaml'}: unknown figure(s) {unknown}; known: {sorted(F.FIGURES)}"
+        )
     return spec
 
 
 def load_snapshot(folder: Path) -> dict[str, pd.DataFrame]:
-    snap = folder / "snapshot"
-    tables = {t: pd.read_parquet(snap / f"{t}.parquet") for t in TABLES if (snap / f"{t}.parquet").exists()}
-    tables |= {t: pd.DataFrame() for t in TABLES if t not in tables}
-    tables["runs"] = wide(tables["results"])
-    return tables
+    return load_tables(folder / "snapshot")
 
 
 def draw(folder: Path, out: Path) -> list[Path]:
@@ -67,8 +48,7 @@ def draw(folder: Path, out: Path) -> list[Path]:
     out.mkdir(parents=True, exist_ok=True)
     written = []
     for fig_spec in spec.get("figures", []):
-        fn, table = FIGURES[fig_spec["name"]]
-        fig = fn(tables[table], **fig_spec.get("args", {}))
+        fig = F.draw(fig_spec["name"], tables, **fig_spec.get("args", {}))
         stem = fig_spec.get("file", fig_spec["name"])
         for ext in ("png", "pdf"):
             fig.savefig(out / f"{stem}.{ext}", dpi=150)
@@ -87,9 +67,9 @@ def refresh(folder: Path, launcher: str) -> None:
     subprocess.run(["make", "sweep", f"EXP={exp}", f"LAUNCHER={launcher}"], cwd=REPO_ROOT, check=True)
     sweep = outputs_dir() / "runs" / exp
     (folder / "snapshot").mkdir(exist_ok=True)
-    for t in TABLES:
-        if (sweep / f"{t}.parquet").exists():
-            shutil.copyfile(sweep / f"{t}.parquet", folder / "snapshot" / f"{t}.parquet")
+    for t in R.TABLES:
+        if R.table_path(sweep, t).exists():
+            shutil.copyfile(R.table_path(sweep, t), R.table_path(folder / "snapshot", t))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -11,17 +11,46 @@ import os
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
+from enum import Enum
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from evictlab.config import Config, LoggerConfig, LoggerMode
+if TYPE_CHECKING:  # the analysis stage imports this module without torch or hydra
+    from evictlab.config import Config
+
+
+class LoggerMode(str, Enum):
+    offline = "offline"  # write W&B runs locally; `make sync` uploads them later
+    online = "online"
+    disabled = "disabled"
+
+
+@dataclass
+class LoggerConfig:
+    mode: LoggerMode = LoggerMode.offline
+    project: str | None = None  # None: $WANDB_PROJECT or "evictlab"
+    entity: str | None = None  # None: $WANDB_ENTITY or your default entity
+    log_checkpoint: bool = True  # the checkpoint as a W&B artifact (train runs)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> LoggerConfig:
+        """From the `logger` node of a run's config.yaml."""
+        return cls(**{**d, "mode": LoggerMode(d.get("mode", "offline"))})
 
 
 @contextmanager
 def wandb_run(
-    logger: LoggerConfig, outputs: Path, group: str, *, job_type: str, run_id: str, name: str,
-    tags: list[str], config: dict[str, Any],
-) -> Iterator[Any | None]:  # fmt: skip
+    logger: LoggerConfig,
+    outputs: Path,
+    group: str,
+    *,
+    job_type: str,
+    run_id: str,
+    name: str,
+    tags: list[str],
+    config: dict[str, Any],
+) -> Iterator[Any | None]:
     """A W&B run (or None when disabled or unavailable), always finished when the block exits."""
     if logger.mode is LoggerMode.disabled:
         yield None
@@ -69,13 +98,18 @@ def _numeric(d: dict[str, Any]) -> dict[str, float]:
     return out
 
 
+def _run_of(cfg: Config, job_type: str, run_id: str, name: str, tags: list[str], config: dict[str, Any]):
+    """A W&B run with the run config's own logger settings, outputs folder and group."""
+    kw = {"job_type": job_type, "run_id": run_id, "name": name, "tags": tags, "config": config}
+    return wandb_run(cfg.logger, cfg.outputs, cfg.group, **kw)
+
+
 def log_training(cfg: Config, meta: dict[str, Any], checkpoint: Path) -> None:
     """A job_type=train run: the loss curves, the final losses and the checkpoint as an artifact."""
     tags = [f"model:{cfg.model.name}", f"dataset:{cfg.dataset.name}"]
     config = {k: meta[k] for k in ("model", "train", "dataset", "tokenizer")}
     run_id, name = f"train-{meta['key']}", f"train {checkpoint.name}"
-    with wandb_run(cfg.logger, cfg.outputs, cfg.group, job_type="train", run_id=run_id, name=name, tags=tags,
-                   config=config) as run:  # fmt: skip
+    with _run_of(cfg, "train", run_id, name, tags, config) as run:
         if run is None:
             return
         for row in meta["history"]:
@@ -100,12 +134,14 @@ def log_eval(
     (optional): per stream, the greedy continuations under the policy and the full cache, as a table.
     """
     tags = [
-        f"strategy:{cfg.strategy.name}", f"budget:{cfg.budget.name}", f"model:{cfg.model.name}",
-        f"dataset:{cfg.dataset.name}", f"position_mode:{cfg.eval.position_mode.value}",
-    ]  # fmt: skip
+        f"strategy:{cfg.strategy.name}",
+        f"budget:{cfg.budget.name}",
+        f"model:{cfg.model.name}",
+        f"dataset:{cfg.dataset.name}",
+        f"position_mode:{cfg.eval.position_mode.value}",
+    ]
     name = f"{cfg.strategy.name} {cfg.budget.name} s{cfg.seed} {cfg.eval.position_mode.value}"
-    with wandb_run(cfg.logger, cfg.outputs, cfg.group, job_type="eval", run_id=run_key, name=name, tags=tags,
-                   config=config) as run:  # fmt: skip
+    with _run_of(cfg, "eval", run_key, name, tags, config) as run:
         if run is None:
             return
         import wandb
@@ -125,8 +161,16 @@ def log_eval(
 def log_report(logger: LoggerConfig, outputs: Path, group: str, images: dict[str, Path], table) -> None:
     """A job_type=report run in the sweep's group: the figures (PNG) and the headline table."""
     run_id, name, tags = f"report-{group}", f"report {group}", [f"sweep:{group}"]
-    with wandb_run(logger, outputs, group, job_type="report", run_id=run_id, name=name, tags=tags,
-                   config={"group": group}) as run:  # fmt: skip
+    with wandb_run(
+        logger,
+        outputs,
+        group,
+        job_type="report",
+        run_id=run_id,
+        name=name,
+        tags=tags,
+        config={"group": group},
+    ) as run:
         if run is None:
             return
         import wandb

@@ -25,7 +25,7 @@ from filelock import FileLock
 from safetensors.torch import load_model, save_model
 from tqdm.auto import tqdm
 
-from evictlab.config import Config, TrainConfig
+from evictlab.config import Config, TrainConfig, hydra_entry, key_dict
 from evictlab.data.dataset import Corpus, TokenSplit, load_corpus
 from evictlab.errors import ConfigError
 from evictlab.models.gpt import GPT, GPTConfig
@@ -42,15 +42,6 @@ from evictlab.store import (
 
 log = logging.getLogger(__name__)
 CHECKPOINT_FORMAT = 1  # bump when training semantics or the file layout change
-# Train settings that cannot change the weights, so they stay out of the checkpoint key.
-NON_WEIGHT_KEYS = ("threads", "device", "progress", "eval_interval", "eval_batches")
-NEUTRAL_TRAIN_KEYS = {"recall_queries": 1}  # left out of checkpoint and run keys at this value
-
-
-def drop_neutral(train: dict[str, Any]) -> dict[str, Any]:
-    """A train config dict without the fields at their neutral value: fields added later leave the keys
-    of older models and runs unchanged."""
-    return {k: v for k, v in train.items() if k not in NEUTRAL_TRAIN_KEYS or v != NEUTRAL_TRAIN_KEYS[k]}
 
 
 @dataclass
@@ -103,8 +94,15 @@ class WindowSampler:
 
             for i in np.flatnonzero(self.rng.random(batch_size) < self.recall_share):
                 depth = float(self.rng.random())
-                rows[i] = make_recall_sequence(self.tok, self.prefix, self.split.ids, self.seq_len + 1, depth,
-                                               self.rng, queries=self.recall_queries)[0]  # fmt: skip
+                rows[i] = make_recall_sequence(
+                    self.tok,
+                    self.prefix,
+                    self.split.ids,
+                    self.seq_len + 1,
+                    depth,
+                    self.rng,
+                    queries=self.recall_queries,
+                )[0]
         seq = torch.from_numpy(np.stack(rows))
         x, y = seq[:, :-1], seq[:, 1:].clone()
         y[torch.isin(y, torch.tensor(self.specials))] = -1
@@ -169,6 +167,73 @@ def mean_loss(model: GPT, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> f
     return total / max(1, count)
 
 
+def fixed_batches(
+    sampler: WindowSampler, cfg: TrainConfig, device
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    return [tuple(t.to(device) for t in sampler.batch(cfg.batch_size)) for _ in range(cfg.eval_batches)]
+
+
+def optimize(model: GPT, tc: TrainConfig, sampler: WindowSampler, val_batches, name: str) -> list[dict]:
+    """The training loop: AdamW with the lr schedule, gradient clipping and a validation loss every
+    eval_interval steps; returns the history (one row per step)."""
+    device = next(model.parameters()).device
+    opt = make_optimizer(model, tc)
+    history: list[dict[str, float]] = []
+    bar = tqdm(range(tc.steps), desc=f"train {name}", disable=not tc.progress, unit="step", file=sys.stderr)
+    start = time.perf_counter()
+    model.train()
+    for step in bar:
+        lr = lr_at(step, tc)
+        for group in opt.param_groups:
+            group["lr"] = lr
+        x, y = (t.to(device) for t in sampler.batch(tc.batch_size))
+        _, loss = model(x, y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        if tc.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), tc.grad_clip)
+        opt.step()
+        row: dict[str, float] = {"step": step + 1, "lr": lr, "train_loss": float(loss.detach())}
+        if (step + 1) % tc.eval_interval == 0 or step + 1 == tc.steps:
+            row["val_loss"] = mean_loss(model, val_batches)
+        history.append(row)
+        if step % 10 == 0 or "val_loss" in row:
+            tok_s = (step + 1) * tc.batch_size * tc.seq_len / (time.perf_counter() - start)
+            post = {"loss": f"{row['train_loss']:.3f}", "tok/s": f"{tok_s:,.0f}"}
+            if "val_loss" in row:
+                post["val"] = f"{row['val_loss']:.3f}"
+            bar.set_postfix(post, refresh=False)
+    model.eval()
+    return history
+
+
+def training_record(model: GPT, corpus: Corpus, tc: TrainConfig, losses: tuple[float, float], wall: float):
+    """What meta.json records about a training: final losses in nats and bits per byte, n-gram
+    baselines, throughput against the machine's matmul rate."""
+    train_loss, val_loss = losses
+    ln2, tokens = math.log(2), tc.steps * tc.batch_size * tc.seq_len
+    flops_per_token = model.flops_per_token(tc.seq_len)
+    matmul = matmul_flops_per_s() if next(model.parameters()).device.type == "cpu" else None
+    splits, vocab = corpus.splits, corpus.tokenizer.vocab_size
+    return {
+        "train_loss": train_loss,
+        "val_loss": val_loss,
+        "train_bpb": train_loss / ln2 / splits["train"].bytes_per_token,
+        "val_bpb": val_loss / ln2 / splits["val"].bytes_per_token,
+        "baselines": {
+            f"{name}_val_bpb": ngram_bits_per_byte(splits["train"], splits["val"], vocab, order)
+            for name, order in (("unigram", 1), ("bigram", 2))
+        },
+        "wall_s": wall,
+        "tokens": tokens,
+        "tokens_per_s": tokens / wall,
+        "params": model.num_params(),
+        "flops_per_token": flops_per_token,
+        "matmul_flops_per_s": matmul,
+        "floor_fraction": tokens / wall * flops_per_token / matmul if matmul else None,
+    }
+
+
 def train_model(cfg: Config, corpus: Corpus) -> tuple[GPT, dict[str, Any]]:
     """Train from scratch with the config's seed; returns the model and its training record."""
     tc, mc = cfg.train, cfg.model
@@ -184,67 +249,12 @@ def train_model(cfg: Config, corpus: Corpus) -> tuple[GPT, dict[str, Any]]:
     fixed_train = WindowSampler(
         corpus.splits["train"], corpus, tc.seq_len, mc.sink_token, seed=20_000 + tc.seed
     )
-    val_batches = [tuple(t.to(device) for t in val_s.batch(tc.batch_size)) for _ in range(tc.eval_batches)]
-    train_batches = [
-        tuple(t.to(device) for t in fixed_train.batch(tc.batch_size)) for _ in range(tc.eval_batches)
-    ]
-    opt = make_optimizer(model, tc)
-    history: list[dict[str, float]] = []
-    tokens_per_step = tc.batch_size * tc.seq_len
-    bar = tqdm(
-        range(tc.steps), desc=f"train {mc.name}", disable=not tc.progress, unit="step", file=sys.stderr
-    )
+    val_batches, train_batches = fixed_batches(val_s, tc, device), fixed_batches(fixed_train, tc, device)
     start = time.perf_counter()
-    model.train()
-    for step in bar:
-        lr = lr_at(step, tc)
-        for group in opt.param_groups:
-            group["lr"] = lr
-        x, y = (t.to(device) for t in train_s.batch(tc.batch_size))
-        _, loss = model(x, y)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        if tc.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), tc.grad_clip)
-        opt.step()
-        row: dict[str, float] = {"step": step + 1, "lr": lr, "train_loss": float(loss.detach())}
-        if (step + 1) % tc.eval_interval == 0 or step + 1 == tc.steps:
-            row["val_loss"] = mean_loss(model, val_batches)
-        history.append(row)
-        if step % 10 == 0 or "val_loss" in row:
-            tok_s = (step + 1) * tokens_per_step / (time.perf_counter() - start)
-            post = {"loss": f"{row['train_loss']:.3f}", "tok/s": f"{tok_s:,.0f}"}
-            if "val_loss" in row:
-                post["val"] = f"{row['val_loss']:.3f}"
-            bar.set_postfix(post, refresh=False)
+    history = optimize(model, tc, train_s, val_batches, mc.name)
     wall = time.perf_counter() - start
-    model.eval()
-    train_loss, val_loss = mean_loss(model, train_batches), mean_loss(model, val_batches)
-    ln2 = math.log(2)
-    tokens_per_s = tc.steps * tokens_per_step / wall
-    flops_per_token = model.flops_per_token(tc.seq_len)
-    matmul = matmul_flops_per_s() if device.type == "cpu" else None
-    record = {
-        "train_loss": train_loss,
-        "val_loss": val_loss,
-        "train_bpb": train_loss / ln2 / corpus.splits["train"].bytes_per_token,
-        "val_bpb": val_loss / ln2 / corpus.splits["val"].bytes_per_token,
-        "baselines": {
-            f"{name}_val_bpb": ngram_bits_per_byte(
-                corpus.splits["train"], corpus.splits["val"], corpus.tokenizer.vocab_size, order
-            )
-            for name, order in (("unigram", 1), ("bigram", 2))
-        },
-        "wall_s": wall,
-        "tokens": tc.steps * tokens_per_step,
-        "tokens_per_s": tokens_per_s,
-        "threads": threads,
-        "params": model.num_params(),
-        "flops_per_token": flops_per_token,
-        "matmul_flops_per_s": matmul,
-        "floor_fraction": tokens_per_s * flops_per_token / matmul if matmul else None,
-        "history": history,
-    }
+    losses = mean_loss(model, train_batches), mean_loss(model, val_batches)
+    record = training_record(model, corpus, tc, losses, wall) | {"threads": threads, "history": history}
     return model, record
 
 
@@ -252,12 +262,12 @@ def train_model(cfg: Config, corpus: Corpus) -> tuple[GPT, dict[str, Any]]:
 
 
 def checkpoint_key(cfg: Config, corpus: Corpus) -> str:
+    """Hash of everything that determines the weights (config.py marks the train settings that do not)."""
     model_cfg = {**asdict(cfg.model), "vocab_size": corpus.tokenizer.vocab_size}
-    train_cfg = drop_neutral({k: v for k, v in asdict(cfg.train).items() if k not in NON_WEIGHT_KEYS})
     return stable_hash(
         {
             "model": model_cfg,
-            "train": train_cfg,
+            "train": key_dict(cfg.train, weights=True),
             "data_hash": corpus.data_hash,
             "tokenizer": corpus.tokenizer.spec,
             "bos": corpus.bos,
@@ -381,23 +391,12 @@ def summary(ck: Checkpoint, seconds: float) -> str:
 
 
 def main() -> None:
-    import hydra
-    from omegaconf import DictConfig
+    def job(cfg: Config) -> str:
+        start = time.perf_counter()
+        ck = get_checkpoint(cfg)
+        return summary(ck, time.perf_counter() - start)
 
-    from evictlab.config import CONF_DIR, to_objects
-
-    @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")
-    def _main(dcfg: DictConfig) -> None:
-        try:
-            cfg = to_objects(dcfg)
-            start = time.perf_counter()
-            ck = get_checkpoint(cfg)
-        except ConfigError as e:
-            print(f"error: {e}", file=sys.stderr)
-            sys.exit(2)
-        print(summary(ck, time.perf_counter() - start))
-
-    _main()
+    hydra_entry(job)
 
 
 if __name__ == "__main__":

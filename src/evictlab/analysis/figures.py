@@ -4,6 +4,9 @@ colour everywhere. Confidence intervals: 95% bootstrap over (seed, stream) units
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import matplotlib
 
 matplotlib.use("Agg")
@@ -14,37 +17,48 @@ import pandas as pd  # noqa: E402
 import seaborn as sns  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 
-from evictlab.analysis.aggregate import position_buckets  # noqa: E402
+from evictlab.results import position_buckets  # noqa: E402
 
-POLICY_ORDER = [
-    "full", "window", "streaming_llm", "recompute_window", "h2o", "tova", "scissorhands", "l2norm", "random",
-    "oracle",
-]  # fmt: skip
-_PALETTE = sns.color_palette("tab10", len(POLICY_ORDER))
-COLORS = dict(zip(POLICY_ORDER, _PALETTE, strict=True))
-LABELS = {
-    "oracle": "oracle (non-causal)",
-    "streaming_llm": "StreamingLLM",
-    "recompute_window": "window+recompute",
-}
+_PALETTE = sns.color_palette("tab10", 10)
 
 
 def theme() -> None:
     sns.set_theme(context="paper", style="whitegrid", font_scale=1.1)
 
 
-def ordered(names) -> list[str]:
-    names = list(dict.fromkeys(names))
-    known = [p for p in POLICY_ORDER if p in names]
-    return known + sorted(n for n in names if n not in POLICY_ORDER)
+class Policies:
+    """How the policies of a table are drawn, read from the table's own identity columns (every run records
+    its policy's facts: strategy_label, strategy_order, evicts), so figures need no list of names."""
+
+    def __init__(self, frame: pd.DataFrame):
+        f = frame.drop_duplicates("strategy").set_index("strategy")
+        self.order = {n: int(f.at[n, "strategy_order"]) if "strategy_order" in f else 100 for n in f.index}
+        self.labels = {n: f.at[n, "strategy_label"] if "strategy_label" in f else n for n in f.index}
+        self.references = {n for n in f.index if "evicts" in f and not bool(f.at[n, "evicts"])}
+
+    def ordered(self, names=None) -> list[str]:
+        names = list(dict.fromkeys(self.order if names is None else names))
+        return sorted(names, key=lambda n: (self.order.get(n, 100), n))
+
+    def label(self, name: str) -> str:
+        return self.labels.get(name, name)
+
+    def color(self, name: str):
+        k = self.order.get(name, 100)
+        return _PALETTE[k] if 0 <= k < len(_PALETTE) else "0.3"
+
+    def is_reference(self, name: str) -> bool:
+        return name in self.references
 
 
-def color(name: str):
-    return COLORS.get(name, "0.3")
+def evicting(frame: pd.DataFrame) -> pd.DataFrame:
+    """The rows of policies that evict (everything but the full-cache reference)."""
+    return frame[frame["evicts"].astype(bool)]
 
 
-def label(name: str) -> str:
-    return LABELS.get(name, name)
+def reference(frame: pd.DataFrame) -> pd.DataFrame:
+    """The rows of the full-cache reference."""
+    return frame[~frame["evicts"].astype(bool)]
 
 
 def bootstrap_ci(
@@ -105,23 +119,30 @@ def _budget_axis(ax, budgets) -> None:
 
 
 def metric_vs_budget(
-    streams: pd.DataFrame, column: str, ylabel: str, *, transform=None, title: str = "",
-    mode: str = "original", log_y: bool = False,
-) -> Figure:  # fmt: skip
+    streams: pd.DataFrame,
+    column: str,
+    ylabel: str,
+    *,
+    transform=None,
+    title: str = "",
+    mode: str = "original",
+    log_y: bool = False,
+) -> Figure:
     """A line per policy with its 95% CI band; the full cache as a horizontal reference."""
     theme()
+    P = Policies(streams)
     s = summarize_streams(streams[streams["position_mode"] == mode], column, transform)
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
-    budgets = s.loc[s["strategy"] != "full", "budget"]
-    for name in ordered(s["strategy"]):
+    budgets = s.loc[~s["strategy"].map(P.is_reference), "budget"]
+    for name in P.ordered(s["strategy"]):
         g = s[s["strategy"] == name].sort_values("budget")
-        if name == "full":
+        if P.is_reference(name):
             ref = g.iloc[0]
-            ax.axhline(ref["point"], color=color(name), ls="--", lw=1.2, label=f"{label(name)} cache")
-            ax.axhspan(ref["low"], ref["high"], color=color(name), alpha=0.12)
+            ax.axhline(ref["point"], color=P.color(name), ls="--", lw=1.2, label=f"{P.label(name)} cache")
+            ax.axhspan(ref["low"], ref["high"], color=P.color(name), alpha=0.12)
             continue
-        ax.plot(g["budget"], g["point"], marker="o", ms=4, color=color(name), label=label(name))
-        ax.fill_between(g["budget"], g["low"], g["high"], color=color(name), alpha=0.15)
+        ax.plot(g["budget"], g["point"], marker="o", ms=4, color=P.color(name), label=P.label(name))
+        ax.fill_between(g["budget"], g["low"], g["high"], color=P.color(name), alpha=0.15)
     if len(budgets):
         _budget_axis(ax, budgets)
     if log_y:
@@ -145,16 +166,15 @@ def agreement_vs_budget(streams: pd.DataFrame, mode: str = "original") -> Figure
 def nll_vs_position(curves: pd.DataFrame, budget: int, mode: str = "original") -> Figure:
     """Mean NLL by token position (log x) per policy at one budget: the StreamingLLM figure."""
     theme()
-    c = curves[
-        (curves["position_mode"] == mode) & ((curves["budget"] == budget) | (curves["strategy"] == "full"))
-    ]
+    P = Policies(curves)
+    at = (curves["budget"] == budget) | ~curves["evicts"].astype(bool)
+    c = curves[(curves["position_mode"] == mode) & at]
     c = c.groupby(["strategy", "position"], as_index=False)["nll"].mean()
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
-    for name in ordered(c["strategy"]):
+    for name in P.ordered(c["strategy"]):
         g = c[c["strategy"] == name].sort_values("position")
-        ax.plot(
-            g["position"], g["nll"], color=color(name), label=label(name), ls="--" if name == "full" else "-"
-        )
+        ls = "--" if P.is_reference(name) else "-"
+        ax.plot(g["position"], g["nll"], color=P.color(name), label=P.label(name), ls=ls)
     ax.axvline(budget, color="0.5", lw=0.8, ls=":")
     ax.set_xscale("log")
     title = f"NLL by position, budget {budget} ({mode} positions)"
@@ -164,16 +184,18 @@ def nll_vs_position(curves: pd.DataFrame, budget: int, mode: str = "original") -
 def quality_vs_memory(runs: pd.DataFrame, mode: str = "original") -> Figure:
     """Perplexity against KV bytes held per sequence: the Pareto view (means over seeds)."""
     theme()
-    r = (
-        runs[runs["position_mode"] == mode]
-        .groupby(["strategy", "budget"], as_index=False)[["kv_bytes", "ppl"]]
-        .mean()
-    )
+    P = Policies(runs)
+    r = runs[runs["position_mode"] == mode].groupby(["strategy", "budget"], as_index=False)[
+        ["kv_bytes", "ppl"]
+    ]
+    r = r.mean()
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
-    for name in ordered(r["strategy"]):
+    for name in P.ordered(r["strategy"]):
         g = r[r["strategy"] == name].sort_values("kv_bytes")
-        ax.plot(g["kv_bytes"] / 1024, g["ppl"], marker="o", ms=4, color=color(name), label=label(name),
-                ls="none" if name == "full" else "-")  # fmt: skip
+        ls = "none" if P.is_reference(name) else "-"
+        ax.plot(
+            g["kv_bytes"] / 1024, g["ppl"], marker="o", ms=4, color=P.color(name), label=P.label(name), ls=ls
+        )
     pts = r.sort_values("kv_bytes")
     front = pts[pts["ppl"] <= pts["ppl"].cummin()]
     ax.step(
@@ -194,14 +216,16 @@ def quality_vs_memory(runs: pd.DataFrame, mode: str = "original") -> Figure:
 def throughput(runs: pd.DataFrame) -> Figure:
     """Token-steps per second per policy (log scale) and the share of step time inside the policy."""
     theme()
+    P = Policies(runs)
     r = runs.groupby("strategy", as_index=False)[["token_steps_per_s", "policy_time_share"]].median()
-    names = ordered(r["strategy"])
+    names = P.ordered(r["strategy"])
     r = r.set_index("strategy").loc[names].reset_index()
+    labels, colors = [P.label(n) for n in names], [P.color(n) for n in names]
     fig, axes = plt.subplots(1, 2, figsize=(9.6, 3.8))
-    axes[0].barh([label(n) for n in names], r["token_steps_per_s"], color=[color(n) for n in names])
+    axes[0].barh(labels, r["token_steps_per_s"], color=colors)
     axes[0].set_xscale("log")
     axes[0].set_xlabel("token-steps / s (median over runs)")
-    axes[1].barh([label(n) for n in names], 100 * r["policy_time_share"], color=[color(n) for n in names])
+    axes[1].barh(labels, 100 * r["policy_time_share"], color=colors)
     axes[1].set_xlabel("% of step time in the policy")
     axes[1].set_yticklabels([])
     fig.suptitle("Speed and policy overhead")
@@ -209,13 +233,17 @@ def throughput(runs: pd.DataFrame) -> Figure:
     return fig
 
 
-def sink_mass(runs: pd.DataFrame) -> Figure:
+def layer_values(layers: pd.DataFrame, metric: str) -> pd.DataFrame:
+    """The rows of one per-layer (or per-head) metric of the layers table."""
+    return layers[layers["metric"] == metric] if not layers.empty else layers
+
+
+def sink_mass(layers: pd.DataFrame) -> Figure:
     """Full-cache attention on the first 4 positions, per layer (are there attention sinks?)."""
     theme()
-    cols = sorted((c for c in runs if c.startswith("sink_mass_per_layer[")), key=lambda c: int(c[20:-1]))
-    vals = runs[cols].mean()
+    vals = layer_values(layers, "sink_mass").groupby("layer")["value"].mean()
     fig, ax = plt.subplots(figsize=(5.2, 3.6))
-    ax.bar([f"L{int(c[20:-1])}" for c in cols], 100 * vals.to_numpy(), color="0.4")
+    ax.bar([f"L{int(layer)}" for layer in vals.index], 100 * vals.to_numpy(), color="0.4")
     ax.set_ylabel("% attention on positions 0-3")
     ax.set_xlabel("layer")
     ax.set_title("Attention mass on the first positions (full cache)")
@@ -226,20 +254,31 @@ def sink_mass(runs: pd.DataFrame) -> Figure:
 def position_modes(streams: pd.DataFrame) -> Figure:
     """`original` vs `cache` positions side by side, per policy and budget (perplexity, 95% CI)."""
     theme()
-    s = summarize_streams(streams[streams["strategy"] != "full"], "nll", np.exp)
+    P = Policies(streams)
+    s = summarize_streams(evicting(streams), "nll", np.exp)
     budgets = sorted(s["budget"].unique())
     fig, axes = plt.subplots(1, len(budgets), figsize=(4.2 * len(budgets), 3.8), sharey=True, squeeze=False)
     for ax, b in zip(axes[0], budgets, strict=True):
         g = s[s["budget"] == b]
-        names = ordered(g["strategy"])
+        names = P.ordered(g["strategy"])
         x = np.arange(len(names))
         for k, (mode, hatch) in enumerate((("original", ""), ("cache", "//"))):
             m = g[g["position_mode"] == mode].set_index("strategy").reindex(names)
             err = np.vstack([m["point"] - m["low"], m["high"] - m["point"]])
-            ax.bar(x + (k - 0.5) * 0.4, m["point"], 0.4, yerr=err, color=[color(n) for n in names],
-                   hatch=hatch, edgecolor="k", lw=0.5, label=mode)  # fmt: skip
+            colors = [P.color(n) for n in names]
+            ax.bar(
+                x + (k - 0.5) * 0.4,
+                m["point"],
+                0.4,
+                yerr=err,
+                color=colors,
+                hatch=hatch,
+                edgecolor="k",
+                lw=0.5,
+                label=mode,
+            )
         ax.set_xticks(x)
-        ax.set_xticklabels([label(n) for n in names], rotation=40, ha="right")
+        ax.set_xticklabels([P.label(n) for n in names], rotation=40, ha="right")
         ax.set_title(f"budget {b}")
         _log_y(ax)
     axes[0][0].set_ylabel("perplexity")
@@ -264,8 +303,15 @@ def attention_heatmap(attention: pd.DataFrame) -> Figure:
     fig, ax = plt.subplots(figsize=(8.8, 0.7 * len(grid) + 1.8))
     positive = grid.to_numpy()[grid.to_numpy() > 0]
     norm = LogNorm(vmin=max(positive.min(), 1e-5), vmax=positive.max()) if positive.size else None
-    sns.heatmap(grid, ax=ax, cmap="magma", norm=norm, cbar_kws={"label": "mean attention received"},
-                xticklabels=labels, yticklabels=[f"L{i}" for i in grid.index])  # fmt: skip
+    sns.heatmap(
+        grid,
+        ax=ax,
+        cmap="magma",
+        norm=norm,
+        cbar_kws={"label": "mean attention received"},
+        xticklabels=labels,
+        yticklabels=[f"L{i}" for i in grid.index],
+    )
     ax.set_xlabel("key position")
     ax.set_ylabel("layer")
     ax.set_title("Where the model attends (full cache; uniform would be 1/(query position + 1))")
@@ -281,25 +327,35 @@ def recall_heatmaps(recall: pd.DataFrame, column: str = "exact_greedy", mode: st
     from matplotlib.colors import Normalize
 
     theme()
+    P = Policies(recall)
     r = recall[recall["position_mode"] == mode]
     if column not in r or r[column].isna().all():
         column = "exact_teacher_forced"
-    names = ordered(r["strategy"])
+    names = P.ordered(r["strategy"])
     ncol = min(5, len(names))
     nrow = -(-len(names) // ncol)
-    fig, axes = plt.subplots(nrow, ncol, figsize=(2.7 * ncol + 1.4, 2.6 * nrow + 0.8), squeeze=False,
-                             layout="constrained")  # fmt: skip
+    size = (2.7 * ncol + 1.4, 2.6 * nrow + 0.8)
+    fig, axes = plt.subplots(nrow, ncol, figsize=size, squeeze=False, layout="constrained")
     for k, (ax, name) in enumerate(zip(axes.flat, names, strict=False)):  # spare panels stay empty
         g = r[r["strategy"] == name]
-        ax.set_title(label(name), fontsize=10)
-        if g[column].isna().all():  # the oracle cannot generate: no greedy score
+        ax.set_title(P.label(name), fontsize=10)
+        if g[column].isna().all():  # a non-causal policy cannot generate: no greedy score
             ax.text(0.5, 0.5, "n/a\n(cannot generate)", ha="center", va="center", transform=ax.transAxes)
             ax.set_xticks([])
             ax.set_yticks([])
             continue
         grid = g.pivot_table(index="depth", columns="budget", values=column, aggfunc="mean")
-        sns.heatmap(100 * grid.astype(float), ax=ax, vmin=0, vmax=100, cmap="viridis", annot=True, fmt=".0f",
-                    cbar=False, annot_kws={"fontsize": 8})  # fmt: skip
+        sns.heatmap(
+            100 * grid.astype(float),
+            ax=ax,
+            vmin=0,
+            vmax=100,
+            cmap="viridis",
+            annot=True,
+            fmt=".0f",
+            cbar=False,
+            annot_kws={"fontsize": 8},
+        )
         ax.set_xlabel("budget")
         ax.set_ylabel("needle depth" if k % ncol == 0 else "")
     for ax in axes.flat[len(names) :]:
@@ -310,28 +366,47 @@ def recall_heatmaps(recall: pd.DataFrame, column: str = "exact_greedy", mode: st
     return fig
 
 
-def _variants(names) -> list[str]:
+def variants(names) -> list[str]:
     """Training variants in a stable order: the experiment's base first, then by name."""
     names = sorted(set(names))
     return (["base"] if "base" in names else []) + [n for n in names if n != "base"]
 
 
-def sink_by_variant(runs: pd.DataFrame, stat: str = "max") -> Figure:
+def first_token_mass(layers: pd.DataFrame) -> dict[str, np.ndarray]:
+    """variant -> [L, H] full-cache attention on position 0 (original positions, mean over seeds)."""
+    m = layer_values(layers, "first_position_mass")
+    if m.empty:
+        return {}
+    m = reference(m)
+    m = m[m["position_mode"] == "original"]
+    out = {}
+    for variant, g in m.groupby("variant"):
+        grid = g.groupby(["layer", "head"])["value"].mean().unstack("head")
+        out[variant] = grid.sort_index().sort_index(axis=1).to_numpy(dtype=float)
+    return out
+
+
+def sink_by_variant(layers: pd.DataFrame, stat: str = "max") -> Figure:
     """Full-cache attention on position 0 per layer (max or mean over heads), one row per training
     variant: which recipes grow an attention sink, and in which layers."""
     theme()
-    rows = {v: getattr(m, stat)(axis=1) for v, m in _first_token_mass(runs).items()}
+    rows = {v: getattr(m, stat)(axis=1) for v, m in first_token_mass(layers).items()}
     if not rows:
         raise ValueError("sink_by_variant needs full-cache runs in the original position mode")
-    variants = _variants(rows)
+    order = variants(rows)
     width = max(len(v) for v in rows.values())
-    grid = pd.DataFrame(
-        [np.pad(rows[v], (0, width - len(rows[v])), constant_values=np.nan) for v in variants],
-        index=variants, columns=[f"L{i}" for i in range(width)],
-    )  # fmt: skip
-    fig, ax = plt.subplots(figsize=(1.0 * width + 3.2, 0.42 * len(variants) + 1.6))
-    sns.heatmap(100 * grid, ax=ax, cmap="rocket_r", vmin=0, annot=True, fmt=".0f",
-                cbar_kws={"label": "% attention on position 0"})  # fmt: skip
+    padded = [np.pad(rows[v], (0, width - len(rows[v])), constant_values=np.nan) for v in order]
+    grid = pd.DataFrame(padded, index=order, columns=[f"L{i}" for i in range(width)])
+    fig, ax = plt.subplots(figsize=(1.0 * width + 3.2, 0.42 * len(order) + 1.6))
+    sns.heatmap(
+        100 * grid,
+        ax=ax,
+        cmap="rocket_r",
+        vmin=0,
+        annot=True,
+        fmt=".0f",
+        cbar_kws={"label": "% attention on position 0"},
+    )
     ax.set_xlabel("layer")
     ax.set_ylabel("training variant")
     ax.set_title(f"Attention on the first token ({stat} over heads, full cache)")
@@ -339,67 +414,71 @@ def sink_by_variant(runs: pd.DataFrame, stat: str = "max") -> Figure:
     return fig
 
 
-EVICTION_ARMS = (("window", "original"), ("streaming_llm", "original"), ("streaming_llm", "cache"))
+def eviction_arms(streams: pd.DataFrame) -> list[tuple[str, str]]:
+    """Every (evicting policy, position mode) the streams hold, in figure order, original positions first."""
+    P = Policies(streams)
+    pairs = set(map(tuple, evicting(streams)[["strategy", "position_mode"]].drop_duplicates().to_numpy()))
+    return sorted(pairs, key=lambda a: (P.order.get(a[0], 100), a[0], a[1] != "original", a[1]))
 
 
 def eviction_ratios(streams: pd.DataFrame) -> pd.DataFrame:
     """Per (variant, strategy, position_mode) of the evicting policies: exp(mean NLL - mean full-cache NLL)
     per stream, i.e. perplexity relative to the full cache, with its 95% bootstrap CI (point, low, high)."""
-    s = streams[streams["strategy"] != "full"].assign(delta=lambda d: d["nll"] - d["nll_full"])
+    s = evicting(streams).assign(delta=lambda d: d["nll"] - d["nll_full"])
     return summarize_streams(s, "delta", np.exp, keys=("variant", "strategy", "position_mode"))
 
 
-def eviction_by_variant(streams: pd.DataFrame) -> Figure:
-    """Perplexity of a sliding window and of StreamingLLM (both position modes) relative to the full
-    cache, per training variant: exp(mean NLL - mean full-cache NLL) with a 95% bootstrap CI over
-    (seed, stream) units (points, so that a few percent stay visible). Above 1 = worse than the full cache."""
+def eviction_by_variant(streams: pd.DataFrame, arms: list | None = None) -> Figure:
+    """Perplexity of each arm (an evicting policy in one position mode; default every arm the sweep ran)
+    relative to the full cache, per training variant: exp(mean NLL - mean full-cache NLL) with a 95%
+    bootstrap CI over (seed, stream) units (points, so that a few percent stay visible). Above 1 = worse
+    than the full cache."""
     theme()
+    P = Policies(streams)
     r = eviction_ratios(streams).set_index(["variant", "strategy", "position_mode"])
-    variants = _variants(r.index.get_level_values("variant"))
-    arms = [a for a in EVICTION_ARMS if any((v, *a) in r.index for v in variants)]
-    fig, ax = plt.subplots(figsize=(0.6 * len(variants) * len(arms) / 2 + 3.0, 4.6))
-    x = np.arange(len(variants))
+    order = variants(r.index.get_level_values("variant"))
+    arms = [tuple(a) for a in (arms or eviction_arms(streams))]
+    arms = [a for a in arms if any((v, *a) in r.index for v in order)]
+    fig, ax = plt.subplots(figsize=(0.6 * len(order) * len(arms) / 2 + 3.0, 4.6))
+    x = np.arange(len(order))
     w = 0.8 / max(1, len(arms))
     for k, (name, mode) in enumerate(arms):
-        a = r.reindex([(v, name, mode) for v in variants])  # NaN where a variant lacks the arm
+        a = r.reindex([(v, name, mode) for v in order])  # NaN where a variant lacks the arm
         err = [a["point"] - a["low"], a["high"] - a["point"]]
-        ax.errorbar(x + (k - (len(arms) - 1) / 2) * w, a["point"], yerr=err, color=color(name), capsize=2,
-                    fmt="s" if mode == "cache" else "o", mfc="white" if mode == "cache" else color(name),
-                    ls="none", label=f"{label(name)} ({mode})")  # fmt: skip
+        hollow = mode == "cache"
+        ax.errorbar(
+            x + (k - (len(arms) - 1) / 2) * w,
+            a["point"],
+            yerr=err,
+            color=P.color(name),
+            capsize=2,
+            fmt="s" if hollow else "o",
+            mfc="white" if hollow else P.color(name),
+            ls="none",
+            label=f"{P.label(name)} ({mode})",
+        )
     ax.axhline(1.0, color="k", lw=0.8)
     _log_y(ax)
-    budget = sorted(set(streams.loc[streams["strategy"] != "full", "budget"]))
+    budget = sorted(set(evicting(streams)["budget"]))
     ax.set_xticks(x)
-    ax.set_xticklabels(variants, rotation=40, ha="right")
-    return _finish(
-        fig,
-        ax,
-        "training variant",
-        "perplexity / full-cache perplexity",
-        f"What evicting the first tokens costs (budget {', '.join(map(str, budget))})",
-    )
+    ax.set_xticklabels(order, rotation=40, ha="right")
+    title = f"What evicting the first tokens costs (budget {', '.join(map(str, budget))})"
+    return _finish(fig, ax, "training variant", "perplexity / full-cache perplexity", title)
 
 
-def _first_token_mass(runs: pd.DataFrame) -> dict[str, np.ndarray]:
-    """variant -> [L, H] full-cache attention on position 0 (original positions, mean over seeds)."""
-    full = runs[(runs["strategy"] == "full") & (runs["position_mode"] == "original")]
-    cols = [c for c in full if c.startswith("first_position_mass_per_head[")]
-    cols = sorted(cols, key=lambda c: int(c.split("[")[1][:-1]))
-    out = {}
-    for variant, g in full.groupby("variant"):
-        L, H = int(g["n_layer"].iloc[0]), int(g["n_head"].iloc[0])
-        out[variant] = g[cols[: L * H]].to_numpy(dtype=float).mean(0).reshape(L, H)
-    return out
-
-
-def sink_trend(runs: pd.DataFrame, axes: dict[str, dict[str, float]]) -> Figure:
+def sink_trend(layers: pd.DataFrame, runs: pd.DataFrame, axes: dict, arms: list | None = None) -> Figure:
     """The sink against a scale knob, one column per knob: `axes` maps an x label to {variant: x}
     (e.g. {"training steps": {"steps200": 200, "base": 400, "steps800": 800}}). Top: attention on the
     first token (the strongest head of any layer, and the mean over heads and layers). Bottom: perplexity
-    of a window and of StreamingLLM relative to the full cache (original positions, mean over seeds)."""
+    of each evicting policy in `arms` (default: all) relative to the full cache (original positions, mean
+    over seeds)."""
     theme()
-    mass = _first_token_mass(runs)
-    ppl = runs[runs["position_mode"] == "original"].groupby(["variant", "strategy"])["ppl"].mean()
+    P = Policies(runs)
+    mass = first_token_mass(layers)
+    original = runs[runs["position_mode"] == "original"]
+    ppl = original.groupby(["variant", "strategy"])["ppl"].mean()
+    full = reference(original).groupby("variant")["ppl"].mean()
+    arms = arms or P.ordered(evicting(original)["strategy"])
     fig, grid = plt.subplots(2, len(axes), figsize=(4.2 * len(axes), 6.4), squeeze=False, sharey="row")
     for col, (xlabel, points) in enumerate(axes.items()):
         pts = sorted((x, v) for v, x in points.items() if v in mass)
@@ -407,9 +486,9 @@ def sink_trend(runs: pd.DataFrame, axes: dict[str, dict[str, float]]) -> Figure:
         top, bottom = grid[0][col], grid[1][col]
         top.plot(xs, [100 * mass[v].max() for _, v in pts], "o-", color="0.15", label="strongest head")
         top.plot(xs, [100 * mass[v].mean() for _, v in pts], "s--", color="0.55", label="mean over heads")
-        for name in ("window", "streaming_llm"):
-            ys = [ppl.get((v, name), np.nan) / ppl.get((v, "full"), np.nan) for _, v in pts]
-            bottom.plot(xs, ys, "o-", color=color(name), label=label(name))
+        for name in arms:
+            ys = [ppl.get((v, name), np.nan) / full.get(v, np.nan) for _, v in pts]
+            bottom.plot(xs, ys, "o-", color=P.color(name), label=P.label(name))
         bottom.axhline(1.0, color="k", lw=0.8)
         for ax in (top, bottom):
             ax.set_xscale("log", base=2)
@@ -423,3 +502,155 @@ def sink_trend(runs: pd.DataFrame, axes: dict[str, dict[str, float]]) -> Figure:
     fig.suptitle("Does a sink grow with training and size, and does evicting it hurt?")
     fig.tight_layout()
     return fig
+
+
+def trend_axes(results: pd.DataFrame, min_points: int = 3) -> dict[str, dict[str, float]]:
+    """Scale knobs a variant sweep covers, for `sink_trend`: every numeric model/train setting in which at
+    least min_points - 1 variants differ from `base` and in nothing else, as
+    {"train.steps": {"base": 400, "steps200": 200, ...}}."""
+    cols = [c for c in results if c.startswith(("cfg.model.", "cfg.train.", "cfg.dataset."))]
+    if "variant" not in results or not cols:
+        return {}
+    per = results.groupby("variant")[cols].first()
+    if "base" not in per.index:
+        return {}
+    base = per.loc["base"]
+
+    def same(a, b) -> bool:
+        return (pd.isna(a) and pd.isna(b)) if pd.api.types.is_scalar(a) and pd.isna(a) else a == b
+
+    def number(x) -> bool:
+        return pd.api.types.is_number(x) and not pd.api.types.is_bool(x)
+
+    axes: dict[str, dict[str, float]] = {}
+    for variant, row in per.drop(index="base").iterrows():
+        diff = [c for c in cols if not same(row[c], base[c])]
+        if len(diff) != 1 or not (number(row[diff[0]]) and number(base[diff[0]])):
+            continue
+        axis = axes.setdefault(diff[0].removeprefix("cfg."), {"base": float(base[diff[0]])})
+        axis[variant] = float(row[diff[0]])
+    return {k: v for k, v in axes.items() if len(v) >= min_points}
+
+
+# ------------------------------------------------------------------------------------ the registry
+# One registry for the sweep report (every figure whose `applies` holds, with `auto` arguments) and the
+# paper figures (experiments/<name>/figures.yaml names figures and their arguments). A figure reads the
+# aggregated tables (evictlab/results.py: TABLES, plus "runs" = wide(results)).
+
+Tables = dict[str, pd.DataFrame]
+
+
+@dataclass(frozen=True)
+class FigureSpec:
+    draw: Callable[..., Figure]  # (tables, **args) -> Figure
+    applies: Callable[[Tables], bool]  # does a sweep's tables support it
+    auto: Callable[[Tables], dict] = lambda t: {}  # its arguments when the report draws it
+    per_variant: bool = False  # compares training variants (else it shows one model: the first variant)
+
+
+def _mode(t: Tables) -> str:
+    modes = set(t["streams"]["position_mode"])
+    return "original" if "original" in modes else sorted(modes)[0]
+
+
+def _many_variants(t: Tables) -> bool:
+    return "variant" in t["streams"] and t["streams"]["variant"].nunique() > 1
+
+
+def _has(table: str, column: str | None = None, metric: str | None = None) -> Callable[[Tables], bool]:
+    def check(t: Tables) -> bool:
+        frame = t.get(table, pd.DataFrame())
+        if frame.empty or (column is not None and column not in frame):
+            return False
+        return metric is None or bool((frame["metric"] == metric).any())
+
+    return check
+
+
+def _middle_budget(t: Tables) -> dict:
+    budgets = sorted(set(evicting(t["curves"])["budget"]))
+    return {"budget": budgets[len(budgets) // 2], "mode": _mode(t)}
+
+
+def _mode_arg(t: Tables) -> dict:
+    return {"mode": _mode(t)}
+
+
+def _trend_args(t: Tables) -> dict:
+    return {"axes": trend_axes(t["results"])}
+
+
+def _on(table: str, fn: Callable[..., Figure]) -> Callable[..., Figure]:
+    """A figure function of one table, as a registry entry's draw(tables, **args)."""
+    return lambda t, **args: fn(t[table], **args)
+
+
+def _kl(t: Tables) -> bool:
+    return "kl" in t["streams"]
+
+
+def _two_modes(t: Tables) -> bool:
+    return {"original", "cache"} <= set(t["streams"]["position_mode"])
+
+
+def _evicting_budgets(t: Tables) -> bool:
+    return not evicting(t["curves"]).empty
+
+
+def _variant_sink(t: Tables) -> bool:
+    return _many_variants(t) and bool(first_token_mass(t["layers"]))
+
+
+def _variant_eviction(t: Tables) -> bool:
+    return _many_variants(t) and "nll_full" in t["streams"] and not evicting(t["streams"]).empty
+
+
+def _variant_trend(t: Tables) -> bool:
+    return _variant_sink(t) and bool(trend_axes(t["results"]))
+
+
+FIGURES: dict[str, FigureSpec] = {
+    "ppl_vs_budget": FigureSpec(_on("streams", ppl_vs_budget), _has("streams"), _mode_arg),
+    "kl_vs_budget": FigureSpec(_on("streams", kl_vs_budget), _kl, _mode_arg),
+    "agreement_vs_budget": FigureSpec(_on("streams", agreement_vs_budget), _kl, _mode_arg),
+    "nll_vs_position": FigureSpec(_on("curves", nll_vs_position), _evicting_budgets, _middle_budget),
+    "quality_vs_memory": FigureSpec(_on("runs", quality_vs_memory), _has("runs", "kv_bytes"), _mode_arg),
+    "throughput": FigureSpec(_on("runs", throughput), _has("runs", "token_steps_per_s")),
+    "sink_mass": FigureSpec(_on("layers", sink_mass), _has("layers", metric="sink_mass")),
+    "recall_heatmaps": FigureSpec(_on("recall", recall_heatmaps), _has("recall"), _mode_arg),
+    "attention_heatmap": FigureSpec(_on("attention", attention_heatmap), _has("attention")),
+    "position_modes": FigureSpec(_on("streams", position_modes), _two_modes),
+    "sink_by_variant": FigureSpec(_on("layers", sink_by_variant), _variant_sink, per_variant=True),
+    "eviction_by_variant": FigureSpec(
+        _on("streams", eviction_by_variant), _variant_eviction, per_variant=True
+    ),
+    "sink_trend": FigureSpec(
+        lambda t, **a: sink_trend(t["layers"], t["runs"], **a), _variant_trend, _trend_args, per_variant=True
+    ),
+}
+
+
+def one_variant(tables: Tables) -> Tables:
+    """The tables restricted to the first training variant (base), for figures that compare policies."""
+    if not _many_variants(tables):
+        return tables
+    first = variants(tables["streams"]["variant"])[0]
+    return {k: t[t["variant"] == first] if "variant" in t else t for k, t in tables.items()}
+
+
+def draw(name: str, tables: Tables, **args) -> Figure:
+    """Figure `name` of the registry from a sweep's tables (with "runs"), with the given arguments."""
+    if name not in FIGURES:
+        raise ValueError(f"unknown figure {name!r}; known: {', '.join(FIGURES)}")
+    spec = FIGURES[name]
+    return spec.draw(tables if spec.per_variant else one_variant(tables), **args)
+
+
+def draw_all(tables: Tables) -> dict[str, Figure]:
+    """Every figure the tables support, with automatic arguments (the sweep report)."""
+    figs = {}
+    for name, spec in FIGURES.items():
+        t = tables if spec.per_variant else one_variant(tables)
+        if not t["streams"].empty and spec.applies(t):
+            figs[name] = spec.draw(t, **spec.auto(t))
+    return figs

@@ -1,6 +1,10 @@
-"""Draw every figure a sweep supports and write a self-contained HTML report.
+"""The sweep report: every figure the aggregated tables support, and a self-contained HTML page.
 
-python -m evictlab.figures outputs/runs/default [--out outputs/figures/default] [--report PATH]
+    python -m evictlab.report outputs/runs/default [--out outputs/figures/default] [--report PATH]
+
+Reads the tables `python -m evictlab.aggregate` wrote into the sweep folder (it does not aggregate again),
+draws the figures of the registry in analysis/figures.py, writes PNG + PDF files and the HTML report,
+and mirrors figures and headline table to W&B with the sweep's own logger settings.
 """
 
 from __future__ import annotations
@@ -16,54 +20,30 @@ from pathlib import Path
 import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
+import yaml
 from matplotlib.figure import Figure
 
+from evictlab import results as R
 from evictlab.analysis import figures as F
-from evictlab.analysis.aggregate import aggregate, wide
+from evictlab.analysis.aggregate import check_folders, run_dirs, wide
 from evictlab.store import git_info, outputs_dir, write_atomic
 
 
-def build_figures(tables: dict[str, pd.DataFrame]) -> dict[str, Figure]:
-    """Every figure the tables support, by file stem."""
-    streams, curves, runs = tables["streams"], tables["curves"], wide(tables["results"])
-    figs: dict[str, Figure] = {}
-    if streams.empty:
-        return figs
-    if "variant" in streams and streams["variant"].nunique() > 1:  # a sweep over training variants
-        if "first_position_mass_per_head[0]" in runs and (runs["strategy"] == "full").any():
-            figs["sink_by_variant"] = F.sink_by_variant(runs)
-        if "nll_full" in streams and (streams["strategy"] != "full").any():
-            figs["eviction_by_variant"] = F.eviction_by_variant(streams)
-        if "sink_by_variant" in figs and (axes := trend_axes(tables["results"])):
-            figs["sink_trend"] = F.sink_trend(runs, axes)
-        first = F._variants(streams["variant"])[0]  # the per-policy figures show one model: the base
-        tables = {k: t[t["variant"] == first] if "variant" in t else t for k, t in tables.items()}
-        streams, curves, runs = tables["streams"], tables["curves"], runs[runs["variant"] == first]
-    modes = set(streams["position_mode"])
-    mode = "original" if "original" in modes else sorted(modes)[0]
-    figs["ppl_vs_budget"] = F.ppl_vs_budget(streams, mode)
-    if "kl" in streams:
-        figs["kl_vs_budget"] = F.kl_vs_budget(streams, mode)
-        figs["agreement_vs_budget"] = F.agreement_vs_budget(streams, mode)
-    budgets = sorted(set(streams.loc[streams["strategy"] != "full", "budget"]))
-    if budgets:
-        figs["nll_vs_position"] = F.nll_vs_position(curves, budgets[len(budgets) // 2], mode)
-    figs["quality_vs_memory"] = F.quality_vs_memory(runs, mode)
-    figs["throughput"] = F.throughput(runs)
-    if any(c.startswith("sink_mass_per_layer[") for c in runs):
-        figs["sink_mass"] = F.sink_mass(runs)
-    if not tables.get("recall", pd.DataFrame()).empty:
-        figs["recall_heatmaps"] = F.recall_heatmaps(tables["recall"], mode=mode)
-    if not tables.get("attention", pd.DataFrame()).empty:
-        figs["attention_heatmap"] = F.attention_heatmap(tables["attention"])
-    if {"original", "cache"} <= modes:
-        figs["position_modes"] = F.position_modes(streams)
-    return figs
+def load_tables(folder: Path) -> dict[str, pd.DataFrame]:
+    """A sweep folder's (or snapshot's) aggregated tables, plus `runs` (one row per run) and failures."""
+    tables = R.read_tables(folder)
+    tables["runs"] = wide(tables["results"])
+    failures = folder / R.FAILURES
+    tables["failures"] = (
+        pd.read_csv(failures) if failures.exists() else pd.DataFrame(columns=R.FAILURE_COLUMNS)
+    )
+    return tables
 
 
 def headline_table(tables: dict[str, pd.DataFrame]) -> pd.DataFrame:
     """Per policy x budget x mode: perplexity with 95% CI, KL, agreement, KV KiB."""
-    streams, runs = tables["streams"], wide(tables["results"])
+    streams, runs = tables["streams"], tables["runs"]
+    P = F.Policies(streams)
     keys = ["strategy", "budget", "position_mode"]
     if "variant" in streams and streams["variant"].nunique() > 1:
         keys = ["variant", *keys]
@@ -71,75 +51,54 @@ def headline_table(tables: dict[str, pd.DataFrame]) -> pd.DataFrame:
     ppl["perplexity [95% CI]"] = [
         f"{p:.3f} [{lo:.3f}, {hi:.3f}]" for p, lo, hi in ppl[["point", "low", "high"]].values
     ]
-    extra = runs.groupby(keys, as_index=False)[
-        [c for c in ("kl_mean", "agreement", "kv_bytes") if c in runs]
-    ].mean()
-    t = ppl[[*keys, "perplexity [95% CI]", "n"]].merge(extra, on=keys, how="left")
+    extra = runs.groupby(keys, as_index=False)[[c for c in ("kl_mean", "agreement", "kv_bytes") if c in runs]]
+    t = ppl[[*keys, "perplexity [95% CI]", "n"]].merge(extra.mean(), on=keys, how="left")
     t["kv_KiB"] = t.pop("kv_bytes") / 1024
-    t["order"] = t["strategy"].map({n: i for i, n in enumerate(F.POLICY_ORDER)}).fillna(99)
+    t["order"] = t["strategy"].map(P.order)
     t = t.sort_values([*keys[:-3], "position_mode", "order", "budget"]).drop(columns="order")
-    t["strategy"] = t["strategy"].map(F.label)
+    t["strategy"] = t["strategy"].map(P.label)
     return t.rename(columns={"n": "units (seed x stream)"})
 
 
-def trend_axes(results: pd.DataFrame, min_points: int = 3) -> dict[str, dict[str, float]]:
-    """Scale knobs a variant sweep covers, for `figures.sink_trend`: every numeric model/train setting in
-    which at least min_points - 1 variants differ from `base` and in nothing else, as
-    {"train.steps": {"base": 400, "steps200": 200, ...}}."""
-    cols = [c for c in results if c.startswith(("cfg.model.", "cfg.train.", "cfg.dataset."))]
-    if "variant" not in results or not cols:
-        return {}
-    per = results.groupby("variant")[cols].first()
-    if "base" not in per.index:
-        return {}
-    base = per.loc["base"]
-
-    def same(a, b) -> bool:
-        return (pd.isna(a) and pd.isna(b)) if pd.api.types.is_scalar(a) and pd.isna(a) else a == b
-
-    def number(x) -> bool:
-        return pd.api.types.is_number(x) and not pd.api.types.is_bool(x)
-
-    axes: dict[str, dict[str, float]] = {}
-    for variant, row in per.drop(index="base").iterrows():
-        diff = [c for c in cols if not same(row[c], base[c])]
-        if len(diff) != 1 or not (number(row[diff[0]]) and number(base[diff[0]])):
-            continue
-        axis = axes.setdefault(diff[0].removeprefix("cfg."), {"base": float(base[diff[0]])})
-        axis[variant] = float(row[diff[0]])
-    return {k: v for k, v in axes.items() if len(v) >= min_points}
+def _ci(a) -> str:
+    return "-" if a is None else f"{a['point']:.3f} [{a['low']:.3f}, {a['high']:.3f}]"
 
 
-def variant_table(tables: dict[str, pd.DataFrame]) -> pd.DataFrame:
+def variant_table(tables: dict[str, pd.DataFrame], arms: list | None = None) -> pd.DataFrame:
     """Per training variant: the model's validation bits per byte, its attention on the first token (the
     strongest head, and the mean over heads and layers), full-cache perplexity, each eviction arm's
-    perplexity relative to the full cache, and window minus StreamingLLM NLL per stream (paired, original
-    positions), with 95% bootstrap CIs over (seed, stream) units."""
-    runs, streams = wide(tables["results"]), tables["streams"]
-    mass = F._first_token_mass(runs)
+    perplexity relative to the full cache, and the paired NLL difference of the first two evicting
+    policies (in figure order; window - StreamingLLM in sink_emergence), original positions, with 95%
+    bootstrap CIs over (seed, stream) units."""
+    runs, streams = tables["runs"], tables["streams"]
+    P = F.Policies(streams)
+    mass = F.first_token_mass(tables["layers"])
     ratios = F.eviction_ratios(streams).set_index(["variant", "strategy", "position_mode"])
-
+    arms = [tuple(a) for a in (arms or F.eviction_arms(streams))]
+    original = streams[streams["position_mode"] == "original"]
+    pair = P.ordered(F.evicting(original)["strategy"])[:2]
     rows = []
-    for v in F._variants(mass):
-        full = runs[
-            (runs["variant"] == v) & (runs["strategy"] == "full") & (runs["position_mode"] == "original")
-        ]
+    for v in F.variants(mass):
+        full = F.reference(runs[(runs["variant"] == v) & (runs["position_mode"] == "original")])
         strongest = mass[v].max(axis=1)
-        row = {"variant": v, "val bits/byte": full["checkpoint_val_bpb"].iloc[0],
-               "strongest head on pos 0 [%]": f"{100 * strongest.max():.1f} (L{int(strongest.argmax())})",
-               "mean on pos 0 [%]": 100 * mass[v].mean(), "full-cache ppl": full["ppl"].mean()}  # fmt: skip
-        for name, mode in F.EVICTION_ARMS:
+        row = {
+            "variant": v,
+            "val bits/byte": full["checkpoint_val_bpb"].iloc[0],
+            "strongest head on pos 0 [%]": f"{100 * strongest.max():.1f} (L{int(strongest.argmax())})",
+            "mean on pos 0 [%]": 100 * mass[v].mean(),
+            "full-cache ppl": full["ppl"].mean(),
+        }
+        for name, mode in arms:
             a = ratios.loc[(v, name, mode)] if (v, name, mode) in ratios.index else None
-            row[f"{F.label(name)} ({mode}) / full"] = (
-                "-" if a is None else f"{a['point']:.3f} [{a['low']:.3f}, {a['high']:.3f}]"
+            row[f"{P.label(name)} ({mode}) / full"] = _ci(a)
+        if len(pair) == 2:
+            mine = original[original["variant"] == v]
+            nll = [mine[mine["strategy"] == n].set_index(["seed", "stream"])["nll"] for n in pair]
+            paired = (nll[0] - nll[1]).dropna().to_numpy()
+            title = f"{P.label(pair[0])} - {P.label(pair[1])} NLL"
+            row[title] = (
+                "-" if not len(paired) else "{:+.4f} [{:+.4f}, {:+.4f}]".format(*F.bootstrap_ci(paired))
             )
-        original = streams[(streams["variant"] == v) & (streams["position_mode"] == "original")]
-        nll = {n: original[original["strategy"] == n].set_index(["seed", "stream"])["nll"]
-               for n in ("window", "streaming_llm")}  # fmt: skip
-        paired = (nll["window"] - nll["streaming_llm"]).dropna().to_numpy()
-        row["window - StreamingLLM NLL"] = (
-            "-" if not len(paired) else "{:+.4f} [{:+.4f}, {:+.4f}]".format(*F.bootstrap_ci(paired))
-        )
         rows.append(row)
     return pd.DataFrame(rows)
 
@@ -151,8 +110,7 @@ def _png_b64(fig: Figure) -> str:
 
 
 def write_report(path: Path, tables: dict[str, pd.DataFrame], figs: dict[str, Figure], title: str) -> None:
-    g = git_info()
-    failures = tables["failures"]
+    g, failures = git_info(), tables["failures"]
     parts = [
         f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>",
         "<style>body{font-family:sans-serif;max-width:1100px;margin:2em auto}table{border-collapse:collapse;"
@@ -164,13 +122,11 @@ def write_report(path: Path, tables: dict[str, pd.DataFrame], figs: dict[str, Fi
     ]
     if len(failures):
         parts.append("<h2>Failed or unfinished runs</h2>" + failures.to_html(index=False))
-    parts.append(
-        "<h2>Headline numbers</h2>" + headline_table(tables).to_html(index=False, float_format="%.4g")
-    )
+    headline = headline_table(tables).to_html(index=False, float_format="%.4g")
+    parts.append("<h2>Headline numbers</h2>" + headline)
     if "variant" in tables["streams"] and tables["streams"]["variant"].nunique() > 1:
-        parts.append(
-            "<h2>Training variants</h2>" + variant_table(tables).to_html(index=False, float_format="%.3f")
-        )
+        variant = variant_table(tables).to_html(index=False, float_format="%.3f")
+        parts.append("<h2>Training variants</h2>" + variant)
     for name, fig in figs.items():
         img = f"<img alt='{name}' src='data:image/png;base64,{_png_b64(fig)}'>"
         parts.append(f"<h2 id='{name}'>{name.replace('_', ' ')}</h2>{img}")
@@ -184,47 +140,51 @@ def write_report(path: Path, tables: dict[str, pd.DataFrame], figs: dict[str, Fi
     write_atomic(path, lambda p: p.write_text(text))
 
 
-def _log_to_wandb(tables: dict[str, pd.DataFrame], out: Path, figs: dict[str, Figure], group: str) -> None:
-    """Mirror the figures and the headline table to W&B with the sweep's own logger settings."""
-    from evictlab.config import LoggerConfig, LoggerMode
-    from evictlab.tracking import log_report
+def _log_to_wandb(sweep: Path, tables, out: Path, figs: dict[str, Figure]) -> None:
+    """Mirror the figures and the headline table to W&B with the sweep's own logger settings (from a run's
+    config.yaml; a sweep without runs logs nothing)."""
+    from evictlab.tracking import LoggerConfig, LoggerMode, log_report
 
-    res = tables["results"]
-    mode = res["cfg.logger.mode"].iloc[0] if "cfg.logger.mode" in res else "disabled"
-    project = res["cfg.logger.project"].iloc[0] if "cfg.logger.project" in res else None
-    outputs = Path(res["cfg.paths.outputs"].iloc[0]) if "cfg.paths.outputs" in res else outputs_dir()
-    logger = LoggerConfig(mode=LoggerMode(mode), project=project if isinstance(project, str) else None)
-    log_report(logger, outputs, group, {stem: out / f"{stem}.png" for stem in figs}, headline_table(tables))
+    dirs = run_dirs([sweep])
+    cfg = yaml.safe_load((dirs[0] / R.CONFIG).read_text()) if dirs else {}
+    logger = LoggerConfig.from_dict(cfg.get("logger") or {"mode": LoggerMode.disabled})
+    outputs = Path((cfg.get("paths") or {}).get("outputs") or outputs_dir())
+    log_report(
+        logger, outputs, sweep.name, {stem: out / f"{stem}.png" for stem in figs}, headline_table(tables)
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("sweeps", nargs="+", type=Path, help="sweep folders (outputs/runs/<group>)")
+    ap.add_argument(
+        "sweep", type=Path, help="a sweep folder (outputs/runs/<group>) that aggregate has written"
+    )
     ap.add_argument("--out", type=Path, default=None, help="figure folder (default outputs/figures/<name>)")
     ap.add_argument(
         "--report", type=Path, default=None, help="HTML report (default outputs/report/index.html)"
     )
     ap.add_argument("--no-wandb", action="store_true", help="do not log the figures and table to W&B")
     args = ap.parse_args(argv)
-    missing = [s for s in args.sweeps if not s.is_dir()]
-    if missing:
-        print(f"error: no such sweep folder: {', '.join(map(str, missing))}", file=sys.stderr)
+    if not check_folders([args.sweep]):
         return 2
-    name = args.sweeps[0].name
-    tables = aggregate(args.sweeps, args.sweeps[0])
+    if not R.table_path(args.sweep, "results").exists():
+        hint = f"run `python -m evictlab.aggregate {args.sweep}` first"
+        print(f"error: {args.sweep} has no aggregated results: {hint}", file=sys.stderr)
+        return 2
+    tables = load_tables(args.sweep)
     if tables["results"].empty:
-        print(f"error: no finished runs under {', '.join(map(str, args.sweeps))}", file=sys.stderr)
+        print(f"error: no finished runs under {args.sweep}", file=sys.stderr)
         return 2
-    out = args.out or outputs_dir() / "figures" / name
+    out = args.out or outputs_dir() / "figures" / args.sweep.name
     out.mkdir(parents=True, exist_ok=True)
-    figs = build_figures(tables)
+    figs = F.draw_all(tables)
     for stem, fig in figs.items():
         for ext in ("png", "pdf"):
             fig.savefig(out / f"{stem}.{ext}", dpi=150)
     report = args.report or outputs_dir() / "report" / "index.html"
-    write_report(report, tables, figs, f"evictlab: {name}")
+    write_report(report, tables, figs, f"evictlab: {args.sweep.name}")
     if not args.no_wandb:
-        _log_to_wandb(tables, out, figs, name)
+        _log_to_wandb(args.sweep, tables, out, figs)
     for fig in figs.values():
         plt.close(fig)
     print(f"{len(figs)} figures -> {out}; report -> {report}")

@@ -39,3 +39,22 @@ def allocate(
         top = max(range(n_layer), key=lambda l: (out[l], l))
         out[top] -= 1
     return out
+
+
+def budgets_for(n_layer: int, policy, budget: int, allocation: Allocation | str, n: int) -> list[int]:
+    """Per-layer budgets for `policy` on a stream of n predictions, each checked by `policy.validate`
+    (a policy that keeps everything holds all n entries)."""
+    if not policy.evicts:
+        return [n] * n_layer
+    budgets = allocate(budget, n_layer, allocation)
+    for l, b in enumerate(budgets):
+        try:
+            policy.validate(b)
+        except ConfigError as e:
+            where = (
+                ""
+                if len(set(budgets)) == 1
+                else f" (layer {l} of the {Allocation(allocation).value} allocation)"
+            )
+            raise ConfigError(f"{e}{where}") from None
+    return budgets

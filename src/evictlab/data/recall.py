@@ -33,9 +33,15 @@ class RecallBatch:
 
 
 def make_recall_sequence(
-    tok, prefix: np.ndarray, filler: np.ndarray, length: int, depth: float, rng: np.random.Generator,
-    digits: int = 5, queries: int = 1,
-) -> tuple[np.ndarray, int, int, int, str]:  # fmt: skip
+    tok,
+    prefix: np.ndarray,
+    filler: np.ndarray,
+    length: int,
+    depth: float,
+    rng: np.random.Generator,
+    digits: int = 5,
+    queries: int = 1,
+) -> tuple[np.ndarray, int, int, int, str]:
     """One pass-key sequence of exactly `length` tokens: (ids, answer_start, answer_len, needle_pos, key).
 
     `queries` > 1 (training) also asks and answers the key at queries - 1 random points between the
@@ -61,9 +67,15 @@ def make_recall_sequence(
 
 
 def recall_streams(
-    corpus: Corpus, n_per_depth: int, length: int, sink_token: bool, depths=(0.1, 0.3, 0.5, 0.7, 0.9),
-    seed: int = 0, split: str = "test", digits: int = 5,
-) -> RecallBatch:  # fmt: skip
+    corpus: Corpus,
+    n_per_depth: int,
+    length: int,
+    sink_token: bool,
+    depths=(0.1, 0.3, 0.5, 0.7, 0.9),
+    seed: int = 0,
+    split: str = "test",
+    digits: int = 5,
+) -> RecallBatch:
     """n_per_depth streams of `length` tokens for each depth, filler from the split's text."""
     if not all(0 <= d <= 1 for d in depths) or n_per_depth < 1:
         raise ConfigError(

@@ -1,191 +1,119 @@
-"""Evaluation streams from a corpus, batched evaluation of one policy, and the per-run summary."""
+"""Batched evaluation of one policy against the full cache, the per-run summary and per-layer table, and
+the task metrics built on the engine (greedy divergence from the full cache, pass-key recall)."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
-from dataclasses import dataclass, field
-from enum import Enum
+from dataclasses import dataclass
 
 import numpy as np
+import pandas as pd
 import torch
 from tqdm.auto import tqdm
 
-from evictlab.cache.policies import Policy, make_policy
-from evictlab.data.dataset import Corpus
+from evictlab.cache.budget import budgets_for
+from evictlab.cache.policies import Policy, full_cache
 from evictlab.errors import ConfigError
-from evictlab.eval.engine import FullReference, PositionMode, budgets_for, full_reference, generate, stream
+from evictlab.eval.engine import StreamOutput, generate, stream
+from evictlab.eval.full import FullReference, full_reference
+from evictlab.eval.spec import DEFAULT, StreamSpec
 from evictlab.models.gpt import GPT
 from evictlab.perf import peak_rss_bytes
 
-
-class StreamSource(str, Enum):
-    documents = "documents"  # each stream is one document from its start (documents must be long enough)
-    concat = "concat"  # the split's documents joined by <bos>, cut into consecutive chunks
+PER_TOKEN = ("nll", "correct", "kl", "agree", "lost", "sink_mass")  # StreamOutput fields kept per token
 
 
-def eval_streams(
-    corpus: Corpus, n_streams: int, length: int, sink_token: bool, source: StreamSource | str = "concat",
-    split: str = "test", seed: int | None = None,
-) -> torch.Tensor:  # fmt: skip
-    """[n_streams, length] token ids, each row starting with the corpus prefix (<sink>?, <bos>).
-
-    `documents`: the first n_streams long-enough documents (a seed shuffles which ones). `concat`:
-    consecutive chunks of the split's text, from its start (or from a seeded random offset).
-    """
-    source = StreamSource(source)
-    prefix = corpus.prefix(sink_token)
-    body = length - len(prefix)
-    if body < 1 or n_streams < 1:
-        raise ConfigError(
-            f"eval.stream_len={length} and eval.n_streams={n_streams} must leave >= 1 text token"
-        )
-    sp = corpus.splits[split]
-    if source is StreamSource.documents:
-        rows = [sp.doc(i)[:body] for i in range(sp.n_docs) if len(sp.doc(i)) >= body]
-        if seed is not None:
-            rows = [rows[i] for i in np.random.default_rng(seed).permutation(len(rows))]
-        if len(rows) < n_streams:
-            raise ConfigError(
-                f"eval.stream_len={length} is longer than the documents: only {len(rows)} of the {sp.n_docs} "
-                f"{split} documents of {corpus.name!r} hold {body} tokens, eval.n_streams={n_streams} needed "
-                "(use eval.stream_source=concat, a shorter stream or fewer streams)"
-            )
-    else:
-        text = sp.stream(corpus.tokenizer.bos_id if corpus.bos else None)
-        available = len(text) // body
-        if available < n_streams:
-            raise ConfigError(
-                f"eval.stream_len={length} x eval.n_streams={n_streams} is longer than the {split} documents "
-                f"of {corpus.name!r}: they hold {len(text)} tokens, {available} stream(s) of this length"
-            )
-        start = (
-            0
-            if seed is None
-            else int(np.random.default_rng(seed).integers(0, len(text) - n_streams * body + 1))
-        )
-        rows = [text[start + i * body : start + (i + 1) * body] for i in range(n_streams)]
-    out = np.stack([np.concatenate((prefix, r)) for r in rows[:n_streams]]).astype(np.int64)
-    return torch.from_numpy(out)
-
-
-def kv_bytes(model: GPT, policy: Policy, budget: int, stream_len: int, allocation: str = "uniform") -> int:
+def kv_bytes(model: GPT, policy: Policy, budget: int, stream_len: int, spec: StreamSpec = DEFAULT) -> int:
     """Bytes of K and V one sequence holds between steps at the end of a stream of `stream_len` tokens."""
-    cfg = model.cfg
-    n = stream_len - 1
+    cfg, n = model.cfg, stream_len - 1
     per_entry = 2 * cfg.kv_heads * cfg.head_dim * model.wte.weight.element_size()
-    budgets = budgets_for(model.cfg.n_layer, policy, budget, allocation, n)
-    return sum(min(b, n) for b in budgets) * per_entry
+    return sum(min(b, n) for b in budgets_for(cfg.n_layer, policy, budget, spec.allocation, n)) * per_entry
 
 
 @dataclass
 class EvalResult:
     per_token: dict[str, np.ndarray]  # name -> [N, n] (or [N, n, L]) arrays
-    summary: dict[str, float | int | str | bool | list]
-    references: list[FullReference] = field(default_factory=list, repr=False)  # reusable per batch
+    summary: dict[str, float | int | str | bool]  # scalars only
+    layers: pd.DataFrame  # tidy per-layer (and per-head) values: layer, head, metric, value
     attention_by_key: np.ndarray | None = None  # [L, n] full-cache attention by key position
 
 
-def evaluate(
-    model: GPT,
-    tokens: torch.Tensor,
-    policy: Policy,
-    budget: int,
-    *,
-    position_mode: PositionMode | str = PositionMode.original,
-    allocation: str = "uniform",
-    batch_size: int = 16,
-    diagnostics: bool = True,
-    force_loop: bool = False,
-    progress: bool = False,
-    references: list[FullReference] | None = None,
-) -> EvalResult:
-    """Stream every row of tokens [N, T] under the policy, in batches, against the full cache.
+@dataclass
+class Batches:
+    """What streaming every batch produced: one StreamOutput and one full-cache reference per batch."""
 
-    `references` (one per batch, from an earlier call's `.references`) lets a sweep compute the
-    full-cache run once and reuse it for every policy on the same streams.
-    """
-    N, T = tokens.shape
-    n = T - 1
-    outs, refs = [], []
-    start = time.perf_counter()
-    if references is not None:  # reuse the batches the references were computed on
-        sizes = [r.logp.shape[0] for r in references]
-        if sum(sizes) != N:
-            raise ValueError(f"references cover {sum(sizes)} streams, tokens has {N}")
-    else:
-        sizes = [min(batch_size, N - b0) for b0 in range(0, N, batch_size)]
-    batches = [sum(sizes[:i]) for i in range(len(sizes))]
-    for i, b0 in enumerate(
-        tqdm(batches, desc=f"{policy.name} b={budget}", disable=not progress, unit="batch")
-    ):
-        batch = tokens[b0 : b0 + sizes[i]]
-        reusable = references is not None and (references[i].future is not None or not policy.needs_future)
-        if reusable:
-            ref = references[i]
-        else:
-            ref = full_reference(model, batch, attention=diagnostics or policy.needs_future,
-                                 future=policy.needs_future)  # fmt: skip
-        refs.append(ref)
-        doc = torch.arange(b0, b0 + batch.shape[0], device=tokens.device)
-        outs.append(
-            stream(
-                model,
-                batch,
-                policy,
-                budget,
-                position_mode=position_mode,
-                allocation=allocation,
-                reference=ref,
-                force_loop=force_loop,
-                doc=doc,
-            )  # fmt: skip
-        )
-    seconds = time.perf_counter() - start
+    starts: list[int]  # first row of each batch
+    outs: list[StreamOutput]
+    refs: list[FullReference]
+    seconds: float
 
-    def cat(name: str) -> np.ndarray | None:
-        parts = [getattr(o, name) for o in outs]
+    def cat(self, name: str) -> np.ndarray | None:
+        parts = [getattr(o, name) for o in self.outs]
         return None if parts[0] is None else torch.cat(parts).float().cpu().numpy()
 
-    names = ("nll", "correct", "kl", "agree", "lost", "sink_mass")
-    per_token = {k: v for k in names if (v := cat(k)) is not None}
-    nll = per_token["nll"]
-    half = n // 2
-    o0 = outs[0]
-    summary: dict = {
-        "strategy": policy.name,
-        "strategy_label": policy.label,
-        "non_causal": policy.needs_future,
+    def sizes(self) -> list[int]:
+        """Streams per batch (the weights of per-batch means)."""
+        return [r.logp.shape[0] for r in self.refs]
+
+
+def run_batches(model: GPT, tokens: torch.Tensor, policy: Policy, budget: int, spec: StreamSpec) -> Batches:
+    """Stream every row of tokens [N, T] under the policy, spec.batch_size rows at a time, each batch
+    against its own full-cache run."""
+    outs, refs = [], []
+    start = time.perf_counter()
+    starts = list(range(0, tokens.shape[0], spec.batch_size))
+    for b0 in tqdm(starts, desc=f"{policy.name} b={budget}", disable=not spec.progress, unit="batch"):
+        batch = tokens[b0 : b0 + spec.batch_size]
+        attention = spec.diagnostics or policy.needs_future
+        refs.append(full_reference(model, batch, attention=attention, future=policy.needs_future))
+        doc = torch.arange(b0, b0 + batch.shape[0], device=tokens.device)
+        outs.append(stream(model, batch, policy, budget, spec, reference=refs[-1], doc=doc))
+    return Batches(starts, outs, refs, time.perf_counter() - start)
+
+
+def collect_per_token(b: Batches, tokens: torch.Tensor) -> dict[str, np.ndarray]:
+    """The per-token arrays of every batch, joined: [N, n] (or [N, n, L]) each, plus the full cache's NLL."""
+    per_token = {k: v for k in PER_TOKEN if (v := b.cat(k)) is not None}
+    if "kl" in per_token:
+        full = []
+        for r, b0 in zip(b.refs, b.starts, strict=True):
+            tgt = tokens[b0 : b0 + r.logp.shape[0], 1:, None].to(r.logp.device)
+            full.append(-r.logp.gather(-1, tgt)[..., 0])
+        per_token["nll_full"] = torch.cat(full).float().cpu().numpy()
+    return per_token
+
+
+def summarize(model, policy, budget, spec, tokens, b: Batches, per_token) -> dict:
+    """The run's scalar summary: what ran, quality (vs the full cache where computed), memory and speed."""
+    N, T = tokens.shape
+    n, nll, o0 = T - 1, per_token["nll"], b.outs[0]
+    held = budget if policy.evicts else n  # the full cache holds every scored position
+    stream_s = sum(o.seconds for o in b.outs)
+    summary = policy.facts() | {
         "strategy_params": policy.params(),
-        "budget": budget if policy.evicts else n,  # the full cache holds every scored position
-        "budget_fraction": (budget if policy.evicts else n) / n,
-        "layer_budgets": o0.budgets,
-        "position_mode": PositionMode(position_mode).value,
-        "allocation": allocation,
+        "budget": held,
+        "budget_fraction": held / n,
+        "position_mode": spec.position_mode.value,
+        "allocation": spec.allocation.value,
         "path": o0.path,
         "n_streams": N,
         "stream_len": T,
         "scored_tokens": int(nll.size),
         "ppl": math.exp(float(nll.mean())),
-        "ppl_second_half": math.exp(float(nll[:, half:].mean())),
+        "ppl_second_half": math.exp(float(nll[:, n // 2 :].mean())),
         "nll_mean": float(nll.mean()),
         "top1_accuracy": float(per_token["correct"].mean()),
         "occupancy_max": int(o0.occupancy.max()),
-        "kv_bytes": kv_bytes(model, policy, budget, T, allocation),
-        "kv_bytes_full": kv_bytes(model, make_policy("full"), 0, T),
+        "kv_bytes": kv_bytes(model, policy, budget, T, spec),
+        "kv_bytes_full": kv_bytes(model, full_cache(), 0, T),
         "peak_rss_bytes": peak_rss_bytes(),
-        "seconds": seconds,
-        "token_steps_per_s": N * n / sum(o.seconds for o in outs),
-        "policy_time_share": sum(o.policy_seconds for o in outs) / max(1e-12, sum(o.seconds for o in outs)),
+        "seconds": b.seconds,
+        "token_steps_per_s": N * n / stream_s,
+        "policy_time_share": sum(o.policy_seconds for o in b.outs) / max(1e-12, stream_s),
     }
     if "kl" in per_token:
-        full_nll = torch.cat(
-            [
-                -r.logp.gather(-1, tokens[b0 : b0 + r.logp.shape[0], 1:, None].to(r.logp.device))[..., 0]
-                for r, b0 in zip(refs, batches, strict=True)
-            ]  # fmt: skip
-        )
-        per_token["nll_full"] = full_nll.float().cpu().numpy()
         summary |= {
             "kl_mean": float(per_token["kl"].mean()),
             "agreement": float(per_token["agree"].mean()),
@@ -194,80 +122,114 @@ def evaluate(
         }
     if "lost" in per_token:
         summary["attention_lost"] = float(per_token["lost"].mean())
-        summary["attention_lost_per_layer"] = per_token["lost"].mean(axis=(0, 1)).tolist()
-    if "sink_mass" in per_token:
-        summary["sink_mass_per_layer"] = per_token["sink_mass"].mean(axis=(0, 1)).tolist()
-        first = [r.first_position_mass().float().cpu() * r.logp.shape[0] for r in refs]  # weight by streams
-        per_head = (torch.stack(first).sum(0) / N).numpy()  # [L, H]
-        summary["first_position_mass_per_head"] = per_head.reshape(-1).tolist()  # layer-major: l * H + h
-    by_key = [r.attention_by_key() for r in refs]
-    attention_by_key = None
-    if by_key and by_key[0] is not None:  # weight each batch by its number of streams
-        w = torch.tensor([float(r.logp.shape[0]) for r in refs])
-        stacked = torch.stack([b.float().cpu() for b in by_key])
-        attention_by_key = ((stacked * w[:, None, None]).sum(0) / w.sum()).numpy()
-    return EvalResult(per_token, summary, refs, attention_by_key)
+    return summary
+
+
+def layer_table(b: Batches, per_token: dict[str, np.ndarray]) -> pd.DataFrame:
+    """Tidy per-layer values (head <NA>) and per-head ones: each layer's budget, the attention it lost, the
+    full cache's attention on the first positions (sink_mass, per layer) and on position 0 (per head)."""
+    budgets = b.outs[0].budgets
+    rows = [{"layer": l, "head": None, "metric": "budget", "value": float(x)} for l, x in enumerate(budgets)]
+    for name, metric in (("lost", "attention_lost"), ("sink_mass", "sink_mass")):
+        if name in per_token:
+            by_layer = per_token[name].mean(axis=(0, 1))
+            rows += [
+                {"layer": l, "head": None, "metric": metric, "value": float(x)}
+                for l, x in enumerate(by_layer)
+            ]
+    if b.refs[0].attn is not None:
+        first = [r.first_position_mass().float().cpu() * r.logp.shape[0] for r in b.refs]  # weight by streams
+        per_head = (torch.stack(first).sum(0) / sum(b.sizes())).numpy()  # [L, H]
+        rows += [
+            {"layer": l, "head": h, "metric": "first_position_mass", "value": float(per_head[l, h])}
+            for l in range(per_head.shape[0])
+            for h in range(per_head.shape[1])
+        ]
+    frame = pd.DataFrame(rows, columns=["layer", "head", "metric", "value"])
+    return frame.astype({"layer": "int64", "head": "Int64", "value": "float64"})
+
+
+def attention_by_key(b: Batches) -> np.ndarray | None:
+    """[L, n] mean full-cache attention by key position, each batch weighted by its number of streams."""
+    by_key = [r.attention_by_key() for r in b.refs]
+    if by_key[0] is None:
+        return None
+    w = torch.tensor([float(size) for size in b.sizes()])
+    stacked = torch.stack([x.float().cpu() for x in by_key])
+    return ((stacked * w[:, None, None]).sum(0) / w.sum()).numpy()
+
+
+def evaluate(
+    model: GPT, tokens: torch.Tensor, policy: Policy, budget: int, spec: StreamSpec = DEFAULT
+) -> EvalResult:
+    """Stream every row of tokens [N, T] under the policy, in batches, against the full cache."""
+    b = run_batches(model, tokens, policy, budget, spec)
+    per_token = collect_per_token(b, tokens)
+    summary = summarize(model, policy, budget, spec, tokens, b, per_token)
+    return EvalResult(per_token, summary, layer_table(b, per_token), attention_by_key(b))
 
 
 def greedy_divergence(
-    model: GPT, tokens: torch.Tensor, policy: Policy, budget: int, n_new: int, *,
-    position_mode: PositionMode | str = PositionMode.original, allocation: str = "uniform",
-    batch_size: int = 16,
-) -> dict[str, np.ndarray]:  # fmt: skip
+    model: GPT, tokens: torch.Tensor, policy: Policy, budget: int, n_new: int, spec: StreamSpec = DEFAULT
+) -> dict[str, np.ndarray]:
     """Greedy continuations of each stream's first T - n_new tokens under the policy and under the full
     cache: per stream, the first step where they differ (n_new if never) and the share of steps that
     agree, plus both token arrays [N, n_new]."""
     N, T = tokens.shape
     if not 1 <= n_new < T:
         raise ConfigError(f"eval.generate_tokens={n_new} must be in [1, eval.stream_len)")
-    full = make_policy("full")
     ours, theirs = [], []
-    for b0 in range(0, N, batch_size):
-        prompt = tokens[b0 : b0 + batch_size, : T - n_new]
+    for b0 in range(0, N, spec.batch_size):
+        prompt = tokens[b0 : b0 + spec.batch_size, : T - n_new]
         doc = torch.arange(b0, b0 + prompt.shape[0], device=tokens.device)
-        kw = {"position_mode": position_mode, "allocation": allocation, "doc": doc}
-        ours.append(generate(model, prompt, policy, budget, n_new, **kw))
-        theirs.append(generate(model, prompt, full, budget, n_new, **kw))
+        ours.append(generate(model, prompt, policy, budget, n_new, spec, doc=doc))
+        theirs.append(generate(model, prompt, full_cache(), budget, n_new, spec, doc=doc))
     p, f = torch.cat(ours).cpu().numpy(), torch.cat(theirs).cpu().numpy()
     same = p == f
     first = np.where(same.all(1), n_new, np.argmin(same, axis=1))
     return {"policy_tokens": p, "full_tokens": f, "first_divergence": first, "agreement": same.mean(1)}
 
 
+def _greedy_exact(model, batch, policy: Policy, budget: int, spec: StreamSpec) -> np.ndarray:
+    """Per recall stream: does greedy decoding under the policy reproduce the answer exactly?"""
+    exact = np.zeros(len(batch.answer_start), dtype=bool)
+    for start in np.unique(batch.answer_start):  # streams whose answers start at one position
+        for n in np.unique(batch.answer_len[batch.answer_start == start]):
+            rows = np.flatnonzero((batch.answer_start == start) & (batch.answer_len == n))
+            for r0 in range(0, len(rows), spec.batch_size):
+                idx = torch.from_numpy(rows[r0 : r0 + spec.batch_size])
+                out = generate(model, batch.tokens[idx, :start], policy, budget, int(n), spec, doc=idx)
+                exact[idx.numpy()] = (out == batch.tokens[idx, start : start + n]).all(1).numpy()
+    return exact
+
+
 def recall_accuracy(
-    model: GPT, batch, policy: Policy, budget: int, *,
-    position_mode: PositionMode | str = PositionMode.original, allocation: str = "uniform",
-    batch_size: int = 16, result: EvalResult | None = None,
-):  # fmt: skip
+    model: GPT,
+    batch,
+    policy: Policy,
+    budget: int,
+    spec: StreamSpec = DEFAULT,
+    result: EvalResult | None = None,
+) -> pd.DataFrame:
     """Per recall stream (data/recall.py): teacher-forced accuracy on the answer tokens, exact match
-    teacher-forced and by greedy decoding under the policy, and the stream's perplexity.
-
-    `result`: an `evaluate` of these streams already made (its per-token arrays are reused).
-    Returns a pandas frame with one row per stream (the oracle gets no greedy column: it cannot generate).
-    """
-    import pandas as pd
-
-    res = result or evaluate(model, batch.tokens, policy, budget, position_mode=position_mode,
-                             allocation=allocation, batch_size=batch_size, diagnostics=False)  # fmt: skip
+    teacher-forced and by greedy decoding under the policy, and the stream's perplexity. `result`: an
+    `evaluate` of these streams already made. One row per stream; a policy that cannot generate (it
+    needs the full-cache run's future) gets no greedy column."""
+    if result is None:
+        result = evaluate(model, batch.tokens, policy, budget, dataclasses.replace(spec, diagnostics=False))
     mask = batch.answer.numpy()
-    correct, nll = res.per_token["correct"], res.per_token["nll"]
-    frame = pd.DataFrame({
-        "stream": np.arange(len(mask)), "depth": batch.depth, "needle_pos": batch.needle_pos,
-        "token_accuracy": [correct[i][mask[i]].mean() for i in range(len(mask))],
-        "exact_teacher_forced": [bool(correct[i][mask[i]].all()) for i in range(len(mask))],
-        "answer_nll": [nll[i][mask[i]].mean() for i in range(len(mask))],
-        "ppl": np.exp(nll.mean(axis=1)),
-    })  # fmt: skip
+    correct, nll = result.per_token["correct"], result.per_token["nll"]
+    frame = pd.DataFrame(
+        {
+            "stream": np.arange(len(mask)),
+            "depth": batch.depth,
+            "needle_pos": batch.needle_pos,
+            "token_accuracy": [correct[i][mask[i]].mean() for i in range(len(mask))],
+            "exact_teacher_forced": [bool(correct[i][mask[i]].all()) for i in range(len(mask))],
+            "answer_nll": [nll[i][mask[i]].mean() for i in range(len(mask))],
+            "ppl": np.exp(nll.mean(axis=1)),
+        }
+    )
     if not policy.needs_future:
-        exact = np.zeros(len(mask), dtype=bool)
-        for start in np.unique(batch.answer_start):  # streams whose answers start at one position
-            for n in np.unique(batch.answer_len[batch.answer_start == start]):
-                rows = np.flatnonzero((batch.answer_start == start) & (batch.answer_len == n))
-                for r0 in range(0, len(rows), batch_size):
-                    idx = torch.from_numpy(rows[r0 : r0 + batch_size])
-                    prompt = batch.tokens[idx, :start]
-                    out = generate(model, prompt, policy, budget, int(n), position_mode=position_mode,
-                                   allocation=allocation, doc=idx)  # fmt: skip
-                    exact[idx.numpy()] = (out == batch.tokens[idx, start : start + n]).all(1).numpy()
-        frame["exact_greedy"] = exact
+        frame["exact_greedy"] = _greedy_exact(model, batch, policy, budget, spec)
     return frame

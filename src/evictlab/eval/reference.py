@@ -10,9 +10,84 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from evictlab.cache.budget import budgets_for
 from evictlab.cache.policies import Policy, StepContext, choose_victim
-from evictlab.eval.engine import FullReference, PositionMode, budgets_for, check_position_mode
+from evictlab.eval.full import FullReference
+from evictlab.eval.spec import DEFAULT, PositionMode, StreamSpec, check_positions
 from evictlab.models.gpt import GPT, PosEmb
+
+
+class _NaiveCache:
+    """One layer's entries as growing tensors: k, v [1, Hkv, m, D], pos [1, Hkv, m], policy state."""
+
+    def __init__(self):
+        self.k = self.v = self.pos = None
+        self.state: dict[str, torch.Tensor] = {}
+
+    def append(self, k, v, t: int, fresh: dict[str, torch.Tensor]) -> None:
+        p = torch.full((1, k.shape[1], 1), t)
+        if self.k is None:
+            self.k, self.v, self.pos, self.state = k, v, p, fresh
+            return
+        self.k, self.v = torch.cat([self.k, k], dim=2), torch.cat([self.v, v], dim=2)
+        self.pos = torch.cat([self.pos, p], dim=2)
+        self.state = {name: torch.cat([self.state[name], fresh[name]], dim=2) for name in fresh}
+
+    def drop(self, victim: torch.Tensor) -> None:
+        """Delete the entry at index victim [1, Hkv] of each head (rows shift down)."""
+        _, Hkv, m, D = self.k.shape
+        keep = torch.arange(m)[None, None, :] != victim[..., None]  # [1, Hkv, m]
+        self.k = self.k[keep[..., None].expand_as(self.k)].view(1, Hkv, m - 1, D)
+        self.v = self.v[keep[..., None].expand_as(self.v)].view(1, Hkv, m - 1, D)
+        self.pos = self.pos[keep].view(1, Hkv, m - 1)
+        for name, st in self.state.items():
+            mask = keep.view(1, Hkv, m, *[1] * (st.dim() - 3)).expand_as(st)
+            self.state[name] = st[mask].view(1, Hkv, m - 1, *st.shape[3:])
+
+
+class _ReferenceStep:
+    """Every layer's attention and eviction for one document, step by step."""
+
+    def __init__(self, model: GPT, policy: Policy, budgets, mode, reference, doc: int, row: int):
+        self.model, self.policy, self.budgets, self.mode = model, policy, budgets, mode
+        self.reference, self.doc, self.row = reference, doc, row
+        self.rope = model.cfg.pos_emb is PosEmb.rope
+        self.caches = [_NaiveCache() for _ in range(model.cfg.n_layer)]
+        self.t = 0
+
+    def __call__(self, l: int, a, h: torch.Tensor) -> torch.Tensor:
+        cfg, c, t = self.model.cfg, self.caches[l], self.t
+        H, Hkv, D = cfg.n_head, cfg.kv_heads, cfg.head_dim
+        q, k, v = a.project(h)
+        fresh = {**self.policy.init_state(1, Hkv, 1, k), **self.policy.entry_state(k)}
+        if self.rope and self.mode is PositionMode.original:
+            q, k = a.rotate(q, torch.tensor([t])), a.rotate(k, torch.tensor([t]))
+        c.append(k, v, t, fresh)
+        m = c.k.shape[2]
+        keys, qq = c.k, q
+        if self.rope and self.mode is PositionMode.cache:
+            keys, qq = a.rotate(c.k, torch.arange(m)), a.rotate(q, torch.tensor([m - 1]))
+        scores = qq @ keys.repeat_interleave(H // Hkv, dim=1).transpose(-1, -2) / D**0.5
+        w = F.softmax(scores, dim=-1)  # [1, H, 1, m]
+        y = (w @ c.v.repeat_interleave(H // Hkv, dim=1)).transpose(1, 2).reshape(1, 1, H * D)
+        if self.policy.evicts:
+            self.evict(l, c, w.view(1, Hkv, H // Hkv, m).mean(2))
+        return a.out(y)
+
+    def evict(self, l: int, c: _NaiveCache, row: torch.Tensor) -> None:
+        future = None
+        if self.reference is not None and self.reference.future is not None:
+            fut_row = self.reference.future[l][self.row : self.row + 1, :, self.t]  # [1, Hkv, n]
+
+            def future(pos, fut_row=fut_row):
+                return fut_row.gather(-1, pos)
+
+        ctx = StepContext(
+            self.t, l, self.budgets[l], c.pos, c.k, row, c.state, torch.tensor([self.doc]), future
+        )
+        self.policy.observe(ctx)
+        if c.k.shape[2] > self.budgets[l]:
+            c.drop(choose_victim(self.policy.scores(ctx), c.pos))
 
 
 @torch.no_grad()
@@ -21,9 +96,8 @@ def reference_stream(
     tokens: torch.Tensor,
     policy: Policy,
     budget: int,
+    spec: StreamSpec = DEFAULT,
     *,
-    position_mode: PositionMode | str = PositionMode.original,
-    allocation: str = "uniform",
     reference: FullReference | None = None,
     doc: int = 0,
     row: int = 0,
@@ -32,75 +106,18 @@ def reference_stream(
 
     `reference`/`row`: the full-cache run (and this document's row in it), for the oracle.
     """
-    mode = check_position_mode(model, position_mode)
-    cfg = model.cfg
+    check_positions(model.cfg, spec.position_mode)
     n = tokens.shape[0] - 1
-    budgets = budgets_for(model.cfg.n_layer, policy, budget, allocation, n)
-    rope = cfg.pos_emb is PosEmb.rope
-    H, Hkv, D = cfg.n_head, cfg.kv_heads, cfg.head_dim
-    G = H // Hkv
-    L = cfg.n_layer
+    budgets = budgets_for(model.cfg.n_layer, policy, budget, spec.allocation, n)
     if policy.recompute:
-        return _reference_recompute(model, tokens, budgets[0], mode), []
-    K: list[torch.Tensor | None] = [None] * L
-    V: list[torch.Tensor | None] = [None] * L
-    P: list[torch.Tensor | None] = [None] * L
-    S: list[dict[str, torch.Tensor] | None] = [None] * L
+        return _reference_recompute(model, tokens, budgets[0], spec.position_mode), []
+    step = _ReferenceStep(model, policy, budgets, spec.position_mode, reference, doc, row)
     nll = []
     for t in range(n):
-        x = model.embed(tokens[None, t : t + 1], torch.tensor([t]))
-        for l, block in enumerate(model.blocks):
-            a = block.attn
-
-            def attn_fn(h, l=l, a=a, t=t):
-                q, k, v = a.project(h)
-                fresh = {**policy.init_state(1, Hkv, 1, k), **policy.entry_state(k)}
-                if rope and mode is PositionMode.original:
-                    q, k = a.rotate(q, torch.tensor([t])), a.rotate(k, torch.tensor([t]))
-                if K[l] is None:
-                    K[l], V[l], P[l], S[l] = k, v, torch.full((1, Hkv, 1), t), fresh
-                else:
-                    K[l] = torch.cat([K[l], k], dim=2)
-                    V[l] = torch.cat([V[l], v], dim=2)
-                    P[l] = torch.cat([P[l], torch.full((1, Hkv, 1), t)], dim=2)
-                    S[l] = {name: torch.cat([S[l][name], fresh[name]], dim=2) for name in fresh}
-                m = K[l].shape[2]
-                keys, qq = K[l], q
-                if rope and mode is PositionMode.cache:
-                    keys = a.rotate(K[l], torch.arange(m))
-                    qq = a.rotate(q, torch.tensor([m - 1]))
-                scores = qq @ keys.repeat_interleave(G, dim=1).transpose(-1, -2) / D**0.5
-                w = F.softmax(scores, dim=-1)  # [1, H, 1, m]
-                y = (w @ V[l].repeat_interleave(G, dim=1)).transpose(1, 2).reshape(1, 1, H * D)
-                if policy.evicts:
-                    future = None
-                    if reference is not None and reference.future is not None:
-                        fut_row = reference.future[l][row : row + 1, :, t]  # [1, Hkv, n]
-
-                        def future(pos, fut_row=fut_row):
-                            return fut_row.gather(-1, pos)
-
-                    ctx = StepContext(t, l, budgets[l], P[l], K[l], w.view(1, Hkv, G, m).mean(2), S[l],
-                                      torch.tensor([doc]), future)  # fmt: skip
-                    policy.observe(ctx)
-                    if m > budgets[l]:
-                        victim = choose_victim(policy.scores(ctx), P[l])  # [1, Hkv]
-                        keep = torch.arange(m)[None, None, :] != victim[..., None]  # [1, Hkv, m]
-                        K[l] = K[l][keep[..., None].expand_as(K[l])].view(1, Hkv, m - 1, D)
-                        V[l] = V[l][keep[..., None].expand_as(V[l])].view(1, Hkv, m - 1, D)
-                        P[l] = P[l][keep].view(1, Hkv, m - 1)
-                        S[l] = {
-                            name: st[keep.view(1, Hkv, m, *[1] * (st.dim() - 3)).expand_as(st)].view(
-                                1, Hkv, m - 1, *st.shape[3:]
-                            )
-                            for name, st in S[l].items()
-                        }
-                return a.out(y)
-
-            x = block(x, attn=attn_fn)
-        logp = F.log_softmax(model.head(x)[0, 0], dim=-1)
-        nll.append(-logp[tokens[t + 1]])
-    return torch.stack(nll), [p for p in P if p is not None]
+        step.t = t
+        logits = model.forward_with(tokens[None, t : t + 1], torch.tensor([t]), step)
+        nll.append(-F.log_softmax(logits[0, 0], dim=-1)[tokens[t + 1]])
+    return torch.stack(nll), [c.pos for c in step.caches if c.pos is not None]
 
 
 def _reference_recompute(model: GPT, tokens: torch.Tensor, budget: int, mode: PositionMode) -> torch.Tensor:
@@ -110,9 +127,6 @@ def _reference_recompute(model: GPT, tokens: torch.Tensor, budget: int, mode: Po
         lo = max(0, t - budget)
         win = tokens[None, lo : t + 1]
         pos = torch.arange(win.shape[1]) + (lo if mode is PositionMode.original else 0)
-        x = model.embed(win, pos)
-        for block in model.blocks:
-            x = block(x, pos)
-        logp = F.log_softmax(model.head(x)[0, -1], dim=-1)
+        logp = F.log_softmax(model.forward_with(win, pos)[0, -1], dim=-1)
         nll.append(-logp[tokens[t + 1]])
     return torch.stack(nll)

@@ -9,9 +9,10 @@ MLP (Llama, Qwen2), linear biases and tanh-GELU (GPT-2), partial rotary and a pa
 Shapes: B batch, T tokens, C = n_embd, H = n_head, Hkv = n_kv_head, D = head_dim = C // H.
 
 The attention is split into steps that a KV-cache engine can drive on its own:
-``project`` (x -> pre-RoPE q, k, v), ``apply_rope`` (rotate by explicit positions) and
-``attend`` (SDPA with a mask) + ``out``. ``Block.forward`` accepts an ``attn`` callable so the
-engine owns the keys and values while the residual structure stays here.
+``project`` (x -> pre-RoPE q, k, v), ``rotate`` (RoPE at explicit positions) and
+``attend`` (SDPA with a mask) + ``out``. ``GPT.forward_with`` runs embed -> blocks -> head and lets
+the caller compute each layer's attention (``attend(layer, attn_module, h)``), so an engine owns the
+keys and values while the residual structure stays here.
 """
 
 from __future__ import annotations
@@ -160,8 +161,11 @@ class CausalSelfAttention(nn.Module):
         return q, k, v
 
     def rotate(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        """RoPE at explicit positions (identity for learned absolute positions)."""
-        return x if self.rope_base is None else apply_rope(x, pos, self.rope_base, self.rope_dims)
+        """RoPE of x [B, H, T, D] at positions pos [T] (shared) or [B, T] (per row); identity for learned
+        absolute positions."""
+        if self.rope_base is None:
+            return x
+        return apply_rope(x, pos if pos.dim() == 1 else pos[:, None, :], self.rope_base, self.rope_dims)
 
     def attend(
         self,
@@ -208,7 +212,8 @@ def make_norm(cfg: GPTConfig) -> nn.Module:
     return nn.LayerNorm(cfg.n_embd, eps=cfg.norm_eps)
 
 
-AttnFn = Callable[[torch.Tensor], torch.Tensor]
+# (layer index, that layer's attention module, normed input h [B, T, C]) -> attention output [B, T, C]
+AttendFn = Callable[[int, CausalSelfAttention, torch.Tensor], torch.Tensor]
 
 
 class Block(nn.Module):
@@ -220,10 +225,12 @@ class Block(nn.Module):
         self.mlp = MLP(cfg)
         self.parallel = cfg.parallel_residual
 
-    def forward(self, x: torch.Tensor, pos: torch.Tensor | None = None, attn: AttnFn | None = None):
-        """x [B, T, C]. Plain causal attention over x at positions pos, or `attn(ln_1(x))` if given."""
-        h = self.ln_1(x)
-        a = self.attn(h, pos) if attn is None else attn(h)
+    def forward(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """x [B, T, C] at positions pos: plain causal attention over x, then the MLP."""
+        return self.mix(x, self.attn(self.ln_1(x), pos))
+
+    def mix(self, x: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
+        """The residual structure around an attention output a = attention(ln_1(x)) [B, T, C]."""
         if self.parallel:  # GPT-NeoX: attention and MLP both read the block's input
             return x + a + self.mlp(self.ln_2(x))
         x = x + a
@@ -273,13 +280,21 @@ class GPT(nn.Module):
         """Final norm + tied head: x [B, T, C] -> logits [B, T, V]."""
         return self.lm_head(self.ln_f(x))
 
+    def forward_with(
+        self, idx: torch.Tensor, pos: torch.Tensor, attend: AttendFn | None = None, last_only: bool = False
+    ) -> torch.Tensor:
+        """embed -> blocks -> head: idx [B, T] at positions pos [T] or [B, T] -> logits [B, T, V] (or
+        [B, V] for the last position only). Each block's attention is plain causal attention over idx,
+        or `attend(l, block.attn, h)` when an engine holds the keys and values."""
+        x = self.embed(idx, pos)
+        for l, block in enumerate(self.blocks):
+            h = block.ln_1(x)
+            x = block.mix(x, block.attn(h, pos) if attend is None else attend(l, block.attn, h))
+        return self.head(x[:, -1] if last_only else x)
+
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
         """Teacher-forced forward from position 0: idx [B, T] -> logits [B, T, V] (and mean loss)."""
-        pos = torch.arange(idx.shape[1], device=idx.device)
-        x = self.embed(idx, pos)
-        for block in self.blocks:
-            x = block(x, pos)
-        logits = self.head(x)
+        logits = self.forward_with(idx, torch.arange(idx.shape[1], device=idx.device))
         if targets is None:
             return logits
         loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-1)

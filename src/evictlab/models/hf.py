@@ -219,7 +219,9 @@ def load_hf_model(name_or_path: str, dtype: str = "float32") -> tuple[GPT, dict[
         raise ConfigError(f"{path}: weight {e} is missing for a {hf['model_type']} checkpoint") from None
     missing, unexpected = model.load_state_dict(state, strict=False)
     if missing or unexpected:
-        raise ConfigError(f"{path}: weights do not fit the {hf['model_type']} mapping "
-                          f"(missing {missing[:3]}, unexpected {unexpected[:3]})")  # fmt: skip
+        raise ConfigError(
+            f"{path}: weights do not fit the {hf['model_type']} mapping "
+            f"(missing {missing[:3]}, unexpected {unexpected[:3]})"
+        )
     model = model.to(DTYPES[dtype]).eval()
     return model, {"model_type": hf["model_type"], "path": str(path), "config": hf, "dtype": dtype}

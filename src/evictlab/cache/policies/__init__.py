@@ -20,6 +20,8 @@ def register(cls: type[Policy]) -> type[Policy]:
         raise TypeError(f"{cls.__name__} needs a `name`")
     if cls.name in POLICIES and POLICIES[cls.name] is not cls:
         raise TypeError(f"policy name {cls.name!r} registered twice")
+    if not cls.label:
+        cls.label = cls.name
     POLICIES[cls.name] = cls
     return cls
 
@@ -35,8 +37,23 @@ def make_policy(name: str, **params) -> Policy:
         raise ConfigError(f"strategy {name!r}: {e}") from None
 
 
+def full_cache() -> Policy:
+    """The policy that keeps every entry: the reference every other policy is compared with."""
+    (cls,) = [c for c in POLICIES.values() if not c.evicts]
+    return cls()
+
+
 for _mod in pkgutil.iter_modules(__path__):
     if _mod.name != "base":
         importlib.import_module(f"{__name__}.{_mod.name}")
 
-__all__ = ["POLICIES", "Policy", "StepContext", "choose_victim", "make_policy", "protect", "register"]
+__all__ = [
+    "POLICIES",
+    "Policy",
+    "StepContext",
+    "choose_victim",
+    "full_cache",
+    "make_policy",
+    "protect",
+    "register",
+]

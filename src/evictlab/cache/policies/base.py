@@ -48,6 +48,8 @@ class Policy:
     """Base class. Subclasses are dataclasses whose fields are the policy's parameters."""
 
     name: ClassVar[str] = ""
+    label: ClassVar[str] = ""  # the name in figures and tables (`register` sets it to `name` if empty)
+    order: ClassVar[int] = 100  # position in figures, tables and legends (smaller first)
     needs_attention: ClassVar[bool] = False  # observe() needs the attention row (no fused SDPA)
     needs_future: ClassVar[bool] = False  # uses the full-cache run's future attention (non-causal)
     evicts: ClassVar[bool] = True  # False only for `full`
@@ -55,6 +57,9 @@ class Policy:
     # Decisions depend on positions only, so every document and head holds the same positions in the
     # same slots (lets the engine re-index positions once per layer instead of per document and head).
     position_only: ClassVar[bool] = False
+    # The kept set is always the contiguous run of the most recent positions, so re-indexing positions
+    # inside the cache (`cache` mode) keeps every query-key distance: the parallel path applies there too.
+    shift_invariant: ClassVar[bool] = False
 
     def __post_init__(self) -> None:
         self.check_params()
@@ -82,9 +87,16 @@ class Policy:
     def params(self) -> dict:
         return asdict(self)
 
-    @property
-    def label(self) -> str:
-        return f"{self.name} (non-causal upper bound)" if self.needs_future else self.name
+    @classmethod
+    def facts(cls) -> dict:
+        """What the results record about the policy class, so that analysis needs no registry."""
+        return {
+            "strategy": cls.name,
+            "strategy_label": cls.label,
+            "strategy_order": cls.order,
+            "evicts": cls.evicts,
+            "non_causal": cls.needs_future,
+        }
 
     # ---- the parallel path (position-static policies only) ----------------------------------------
     def static_keep(self, n: int, budget: int, device: torch.device) -> torch.Tensor | None:
@@ -108,6 +120,13 @@ class Policy:
     def scores(self, ctx: StepContext) -> torch.Tensor:
         """[B, Hkv, S]: the valid slot with the lowest score is evicted; inf protects a slot."""
         raise NotImplementedError
+
+
+def recent_keep(n: int, recent: int, device: torch.device, n_sink: int = 0) -> torch.Tensor:
+    """[n, n] bool static keep mask: query i attends to keys i-recent .. i and to the first n_sink keys."""
+    i = torch.arange(n, device=device)[:, None]
+    j = torch.arange(n, device=device)[None, :]
+    return (j <= i) & ((j < n_sink) | (j >= i - recent))
 
 
 def protect(scores: torch.Tensor, ctx: StepContext, n_sink: int = 0, recent: int = 0) -> torch.Tensor:

@@ -4,7 +4,7 @@ from typing import ClassVar
 import torch
 
 from evictlab.cache.policies import register
-from evictlab.cache.policies.base import Policy, StepContext
+from evictlab.cache.policies.base import Policy, StepContext, recent_keep
 
 
 @register
@@ -13,11 +13,13 @@ class Full(Policy):
     """Keep every entry: the reference that every other policy is compared with."""
 
     name: ClassVar[str] = "full"
+    order: ClassVar[int] = 0
+    shift_invariant: ClassVar[bool] = True
     position_only: ClassVar[bool] = True
     evicts: ClassVar[bool] = False
 
     def static_keep(self, n: int, budget: int, device: torch.device) -> torch.Tensor:
-        return torch.ones(n, n, dtype=torch.bool, device=device).tril()
+        return recent_keep(n, n, device)
 
     def scores(self, ctx: StepContext) -> torch.Tensor:
         raise RuntimeError("the full cache never evicts")

@@ -16,6 +16,7 @@ class H2O(Policy):
     the budget goes to the recent window, the rest to heavy hitters."""
 
     name: ClassVar[str] = "h2o"
+    order: ClassVar[int] = 4
     needs_attention: ClassVar[bool] = True
     recent_fraction: float = 0.5
 

@@ -15,6 +15,7 @@ class L2Norm(Policy):
     Score-free, so attention stays on the fused SDPA path. Optional sink and recent protection."""
 
     name: ClassVar[str] = "l2norm"
+    order: ClassVar[int] = 7
     n_sink: int = 0
     n_recent: int = 0
 

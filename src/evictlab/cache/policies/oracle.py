@@ -15,6 +15,8 @@ class Oracle(Policy):
     labelled as such in every output."""
 
     name: ClassVar[str] = "oracle"
+    label: ClassVar[str] = "oracle (non-causal)"
+    order: ClassVar[int] = 9
     needs_future: ClassVar[bool] = True
 
     def scores(self, ctx: StepContext) -> torch.Tensor:

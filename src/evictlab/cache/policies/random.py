@@ -25,6 +25,7 @@ class Random(Policy):
     head, position), so it is reproducible and independent of batching or slot layout."""
 
     name: ClassVar[str] = "random"
+    order: ClassVar[int] = 8
     seed: int = 0
     n_sink: int = 0
 

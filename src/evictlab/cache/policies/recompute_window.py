@@ -1,19 +1,28 @@
 from dataclasses import dataclass
 from typing import ClassVar
 
+import torch
+
 from evictlab.cache.policies import register
-from evictlab.cache.policies.base import Policy, StepContext
+from evictlab.cache.policies.base import Policy, StepContext, recent_keep
 
 
 @register
 @dataclass
 class RecomputeWindow(Policy):
     """Sliding window with re-computation (the StreamingLLM paper's baseline): each token is predicted
-    by a fresh forward over the last `budget` tokens plus itself, re-encoded from position 0. No KV
-    cache survives between steps; the cost is O(budget) forward tokens per predicted token."""
+    by a fresh forward over the last `budget` tokens plus itself, at positions 0 .. budget in `cache`
+    mode and at their text positions in `original` mode. No KV cache survives between steps; the cost
+    is O(budget) forward tokens per predicted token."""
 
     name: ClassVar[str] = "recompute_window"
+    label: ClassVar[str] = "window+recompute"
+    order: ClassVar[int] = 3
     recompute: ClassVar[bool] = True
+
+    def static_keep(self, n: int, budget: int, device: torch.device) -> torch.Tensor:
+        """The tokens each re-encoded window holds (for the attention-lost diagnostic)."""
+        return recent_keep(n, budget, device)
 
     def scores(self, ctx: StepContext):
         raise RuntimeError("recompute_window has no cache to evict from")

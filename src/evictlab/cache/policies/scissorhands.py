@@ -16,6 +16,7 @@ class Scissorhands(Policy):
     that was unimportant most often. The `recent` newest entries are always kept."""
 
     name: ClassVar[str] = "scissorhands"
+    order: ClassVar[int] = 6
     needs_attention: ClassVar[bool] = True
     history_window: int = 32
     threshold: float = 1.0

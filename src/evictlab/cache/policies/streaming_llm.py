@@ -4,7 +4,7 @@ from typing import ClassVar
 import torch
 
 from evictlab.cache.policies import register
-from evictlab.cache.policies.base import Policy, StepContext, protect
+from evictlab.cache.policies.base import Policy, StepContext, protect, recent_keep
 from evictlab.errors import ConfigError
 
 
@@ -15,6 +15,8 @@ class StreamingLLM(Policy):
     and the most recent `budget - n_sink` entries."""
 
     name: ClassVar[str] = "streaming_llm"
+    label: ClassVar[str] = "StreamingLLM"
+    order: ClassVar[int] = 2
     position_only: ClassVar[bool] = True
     n_sink: int = 4
 
@@ -34,9 +36,7 @@ class StreamingLLM(Policy):
         super().validate(budget)
 
     def static_keep(self, n: int, budget: int, device: torch.device) -> torch.Tensor:
-        i = torch.arange(n, device=device)[:, None]
-        j = torch.arange(n, device=device)[None, :]
-        return (j <= i) & ((j < self.n_sink) | (j >= i - (budget - self.n_sink)))
+        return recent_keep(n, budget - self.n_sink, device, n_sink=self.n_sink)
 
     def scores(self, ctx: StepContext) -> torch.Tensor:
         return protect(ctx.pos.to(ctx.keys.dtype), ctx, n_sink=self.n_sink)

@@ -14,6 +14,7 @@ class TOVA(Policy):
     least, averaged over the layer's heads (the paper's choice) or per KV head."""
 
     name: ClassVar[str] = "tova"
+    order: ClassVar[int] = 5
     needs_attention: ClassVar[bool] = True
     per_head: bool = False
 

@@ -4,7 +4,7 @@ from typing import ClassVar
 import torch
 
 from evictlab.cache.policies import register
-from evictlab.cache.policies.base import Policy, StepContext
+from evictlab.cache.policies.base import Policy, StepContext, recent_keep
 
 
 @register
@@ -13,12 +13,12 @@ class Window(Policy):
     """Sliding window: keep the `budget` most recent entries, evict the oldest."""
 
     name: ClassVar[str] = "window"
+    order: ClassVar[int] = 1
+    shift_invariant: ClassVar[bool] = True
     position_only: ClassVar[bool] = True
 
     def static_keep(self, n: int, budget: int, device: torch.device) -> torch.Tensor:
-        i = torch.arange(n, device=device)[:, None]
-        j = torch.arange(n, device=device)[None, :]
-        return (j <= i) & (j >= i - budget)
+        return recent_keep(n, budget, device)
 
     def scores(self, ctx: StepContext) -> torch.Tensor:
         return ctx.pos.to(ctx.keys.dtype)

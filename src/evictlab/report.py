@@ -1,4 +1,4 @@
-"""`python -m evictlab.figures SWEEP_DIR...`: see evictlab.analysis.report."""
+"""`python -m evictlab.report SWEEP_DIR`: see evictlab.analysis.report."""
 
 import sys
 

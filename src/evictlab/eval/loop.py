@@ -1,0 +1,227 @@
+"""The token loop: teacher-forced decoding one token at a time through a fixed-budget KV cache.
+
+    for each step t:  logp = loop.decode_one_token(token_t, t)   # every layer: attend, then evict
+                      record(t, logp)
+
+Each layer's cache is a set of preallocated slots (gpt-fast's KVCache, extended to eviction): k, v
+[B, Hkv, S, D] with S = budget + 1, the text position of each slot, and the policy's per-slot state. The
+new entry overwrites the slot freed by the last eviction, so a step never copies the cache.
+
+Step t processes the token at position t and predicts token t+1. The query attends to the entries kept
+after step t-1 (at most `budget`) plus itself; then the cache is evicted back to budget.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.nn.functional as F
+
+from evictlab.cache.policies import Policy, StepContext, choose_victim
+from evictlab.eval.full import FullReference, gather_rows, token_metrics
+from evictlab.eval.spec import PositionMode
+from evictlab.models.gpt import GPT, CausalSelfAttention, PosEmb, rope_angles, rotate
+
+
+class LayerCache:
+    """Preallocated slots of one layer: k, v [B, Hkv, S, D], pos [B, Hkv, S] (-1 = empty) and the policy's
+    per-slot state (each [B, Hkv, S, ...])."""
+
+    def __init__(self, B: int, Hkv: int, S: int, D: int, like: torch.Tensor, state: dict[str, torch.Tensor]):
+        self.k = like.new_zeros(B, Hkv, S, D)
+        self.v = like.new_zeros(B, Hkv, S, D)
+        self.pos = torch.full((B, Hkv, S), -1, dtype=torch.long, device=like.device)
+        self.state = state
+        self.free = torch.zeros(B, Hkv, dtype=torch.long, device=like.device)  # slot for the next entry
+        self.count = 0  # entries held (the same for every document and head)
+        self.used = 0  # slots written at least once (slots fill in order until the first eviction)
+
+    def write(self, k: torch.Tensor, v: torch.Tensor, t: int, init: dict[str, torch.Tensor]) -> None:
+        """Store k, v [B, Hkv, 1, D] of position t in the free slot; that slot's state starts at `init`
+        (values [B, Hkv, 1, ...]) or zero."""
+        B, Hkv, _, D = k.shape
+        slot = self.free[:, :, None]
+        self.k.scatter_(2, slot[..., None].expand(B, Hkv, 1, D), k)
+        self.v.scatter_(2, slot[..., None].expand(B, Hkv, 1, D), v)
+        self.pos.scatter_(2, slot, t)
+        for name, st in self.state.items():
+            idx = slot.view(B, Hkv, 1, *([1] * (st.dim() - 3))).expand(B, Hkv, 1, *st.shape[3:])
+            st.scatter_(2, idx, init[name].to(st.dtype) if name in init else st.new_zeros(idx.shape))
+        self.count += 1
+        self.used = max(self.used, self.count)
+
+    def held(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Views over the slots written so far: k, v [B, Hkv, U, D] and pos [B, Hkv, U]."""
+        U = self.used
+        return self.k[:, :, :U], self.v[:, :, :U], self.pos[:, :, :U]
+
+    def held_state(self) -> dict[str, torch.Tensor]:
+        return {name: st[:, :, : self.used] for name, st in self.state.items()}
+
+    def evict(self, victim: torch.Tensor) -> None:
+        """Empty slot victim [B, Hkv]; the next entry goes there."""
+        self.pos.scatter_(2, victim[:, :, None], -1)
+        self.free = victim
+        self.count -= 1
+
+    def advance(self) -> None:
+        """No eviction this step: the next entry goes to the next never-used slot."""
+        self.free.fill_(self.count)
+
+
+def ranks(pos: torch.Tensor) -> torch.Tensor:
+    """Rank of each valid slot's position among the valid slots of its (doc, head); invalid slots last."""
+    key = pos.masked_fill(pos < 0, torch.iinfo(pos.dtype).max)
+    order = key.argsort(dim=-1)
+    ar = torch.arange(pos.shape[-1], device=pos.device).expand_as(pos)
+    return torch.empty_like(pos).scatter_(-1, order, ar)
+
+
+class LostAttention:
+    """Diagnostic: the full-cache attention that step t's query puts on entries the policy no longer holds
+    (1 - the full-cache attention on the held positions, mean over heads), per step and layer [B, n, L]."""
+
+    def __init__(self, ref: FullReference, groups: int, B: int, n: int, L: int, like: torch.Tensor):
+        self.attn, self.groups = ref.attn, groups
+        self.values = like.new_empty(B, n, L)
+
+    def observe(self, l: int, t: int, pos: torch.Tensor) -> None:
+        full_row = self.attn[l][:, :, t]  # [B, H, n]
+        held = gather_rows(full_row, pos.repeat_interleave(self.groups, 1)).sum(-1)  # [B, H]
+        self.values[:, t, l] = 1 - held.mean(1)
+
+
+class TokenLoop:
+    """The decode state of one batch of documents under one policy: a LayerCache per layer."""
+
+    def __init__(
+        self,
+        model: GPT,
+        policy: Policy,
+        budgets: list[int],
+        mode: PositionMode,
+        B: int,
+        n: int,
+        doc: torch.Tensor,
+        ref: FullReference | None = None,
+    ):
+        cfg = model.cfg
+        self.model, self.policy, self.budgets, self.doc, self.ref = model, policy, budgets, doc, ref
+        self.groups, self.scale = cfg.n_head // cfg.kv_heads, cfg.head_dim**-0.5
+        like = torch.empty(0, dtype=model.wte.weight.dtype, device=doc.device)
+        self.caches = []
+        for S in (min(b + 1, n) for b in budgets):
+            state = policy.init_state(B, cfg.kv_heads, S, like)
+            self.caches.append(LayerCache(B, cfg.kv_heads, S, cfg.head_dim, like, state))
+        rope = cfg.pos_emb is PosEmb.rope
+        self.cos = self.sin = None
+        if rope:
+            cos, sin = rope_angles(torch.arange(n, device=doc.device), cfg.rope_dims, cfg.rope_base)
+            self.cos, self.sin = cos.to(like.dtype), sin.to(like.dtype)
+        self.rotate_on_write = rope and mode is PositionMode.original  # keys stored at their text phase
+        self.reindex = rope and mode is PositionMode.cache  # keys stored unrotated, re-indexed per step
+        self.lost = None
+        if ref is not None and ref.attn is not None:
+            self.lost = LostAttention(ref, self.groups, B, n, cfg.n_layer, like)
+        self.occupancy = torch.empty(n, cfg.n_layer, dtype=torch.long, device=doc.device)
+        self.policy_seconds = 0.0
+        self.t = 0
+
+    def decode_one_token(self, token: torch.Tensor, t: int) -> torch.Tensor:
+        """token [B, 1] at position t through every layer -> log-probs of the next token [B, V]."""
+        self.t = t
+        pos = torch.tensor([t], device=token.device)
+        return F.log_softmax(self.model.forward_with(token, pos, self.attend)[:, 0], dim=-1)
+
+    def attend(self, l: int, a: CausalSelfAttention, h: torch.Tensor) -> torch.Tensor:
+        """Layer l of step t: project, store the new entry, attend to the held entries, evict to budget."""
+        cache, t = self.caches[l], self.t
+        q, k, v = a.project(h)  # [B, H, 1, D], [B, Hkv, 1, D] x2
+        init = self.policy.entry_state(k) if cache.state else {}
+        if self.rotate_on_write:
+            q, k = rotate(q, self.cos[t], self.sin[t]), rotate(k, self.cos[t], self.sin[t])
+        cache.write(k, v, t, init)
+        K, V, P = cache.held()
+        if self.reindex:  # ranks 0..m-1 inside the cache, the query last
+            r = ranks(P[0, 0]) if self.policy.position_only else ranks(P)  # one layout, or per doc/head
+            K = rotate(K, self.cos[r], self.sin[r])
+            q = rotate(q, self.cos[cache.count - 1], self.sin[cache.count - 1])
+        y, row = self.attention(a, q, K, V, P >= 0)
+        if self.lost is not None:
+            self.lost.observe(l, t, P)
+        self.evict(l, cache, P, row)
+        self.occupancy[t, l] = cache.count
+        return a.out(y)
+
+    def attention(self, a: CausalSelfAttention, q, K, V, valid) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The query's attention over the held entries -> (output [B, 1, C], the attention row [B, Hkv, U]
+        averaged over each KV head's query heads, or None when the policy does not read it: fused SDPA)."""
+        if not self.policy.needs_attention:
+            return a.attend(q, K, V, mask=valid[:, :, None, :].repeat_interleave(self.groups, 1)), None
+        B, H, _, D = q.shape
+        qg = q.view(B, H // self.groups, self.groups, D)
+        s = torch.einsum("bkgd,bksd->bkgs", qg, K) * self.scale
+        w = s.masked_fill(~valid[:, :, None], float("-inf")).softmax(-1)
+        return torch.einsum("bkgs,bksd->bkgd", w, V).reshape(B, 1, H * D), w.mean(2)
+
+    def evict(self, l: int, cache: LayerCache, pos: torch.Tensor, row: torch.Tensor | None) -> None:
+        """Let the policy observe the step, then evict its lowest-scored entry if the cache is over budget."""
+        budget, policy = self.budgets[l], self.policy
+        if not (policy.evicts and (policy.needs_attention or cache.count > budget)):
+            cache.advance()
+            return
+        start = time.perf_counter()
+        ctx = StepContext(
+            t=self.t,
+            layer=l,
+            budget=budget,
+            pos=pos,
+            keys=cache.k[:, :, : cache.used],
+            attn=row,
+            state=cache.held_state(),
+            doc=self.doc,
+            future=self.future_of(l),
+        )
+        policy.observe(ctx)
+        if cache.count > budget:
+            cache.evict(choose_victim(policy.scores(ctx), pos))
+        else:
+            cache.advance()
+        self.policy_seconds += time.perf_counter() - start
+
+    def future_of(self, l: int):
+        """For the oracle: pos [B, Hkv, S] -> the attention later full-cache queries put on them."""
+        if self.ref is None or self.ref.future is None:
+            return None
+        row = self.ref.future[l][:, :, self.t]  # [B, Hkv, n]
+        return lambda pos: gather_rows(row, pos)
+
+
+@torch.no_grad()
+def stream_loop(
+    model: GPT,
+    tokens: torch.Tensor,
+    policy: Policy,
+    budgets: list[int],
+    mode: PositionMode,
+    ref: FullReference | None,
+    doc: torch.Tensor,
+    generate_from: int | None = None,
+):
+    """Stream tokens [B, T] through the token loop -> (per-token metrics [B, n] by name, the loop).
+    With `generate_from=P`, tokens from position P on are generated greedily (each step's argmax is the
+    next step's input) instead of read, and `tokens` is returned with them filled in."""
+    tokens = tokens.clone() if generate_from is not None else tokens
+    inp, tgt = tokens[:, :-1], tokens[:, 1:]  # views: generated tokens become the next inputs
+    B, n = inp.shape
+    loop = TokenLoop(model, policy, budgets, mode, B, n, doc, ref)
+    per_token: dict[str, torch.Tensor] = {}
+    for t in range(n):
+        logp = loop.decode_one_token(inp[:, t : t + 1], t)
+        if generate_from is not None and t + 1 >= generate_from:
+            tokens[:, t + 1] = logp.argmax(-1)
+        step = token_metrics(logp, tgt[:, t], None if ref is None else ref.logp[:, t])
+        for name, value in step.items():
+            per_token.setdefault(name, logp.new_empty(B, n))[:, t] = value
+    return per_token, loop, tokens

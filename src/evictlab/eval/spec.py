@@ -1,0 +1,56 @@
+"""How a stream is evaluated: one settings object from the config to the engine, and the position rules.
+
+`StreamSpec` carries everything about an evaluation besides the model, the tokens, the policy and the
+budget. `EvalConfig.spec()` builds it once; `evaluate`, `stream`, `generate`, the reference loop and the
+recall and generation metrics all take it as one value, so a new setting is added in one place.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+from evictlab.cache.budget import Allocation
+from evictlab.errors import ConfigError
+from evictlab.models.gpt import GPTConfig, PosEmb
+
+
+class PositionMode(str, Enum):
+    original = "original"  # each key keeps the RoPE phase of its text position
+    cache = "cache"  # positions re-indexed inside the cache every step (keys stored before RoPE)
+
+
+@dataclass(frozen=True)
+class StreamSpec:
+    position_mode: PositionMode = PositionMode.original
+    allocation: Allocation = Allocation.uniform
+    batch_size: int = 16  # documents streamed together
+    diagnostics: bool = True  # attention lost / sink mass (needs the full-cache attention matrices)
+    force_loop: bool = False  # never take the parallel path (the token loop is the cross-check)
+    progress: bool = False  # a progress bar over the batches
+
+    def __post_init__(self) -> None:  # accept the enums' string values too
+        object.__setattr__(self, "position_mode", PositionMode(self.position_mode))
+        object.__setattr__(self, "allocation", Allocation(self.allocation))
+        if self.batch_size < 1:
+            raise ConfigError(f"eval.batch_size={self.batch_size} must be >= 1")
+
+
+def check_positions(model: GPTConfig, mode: PositionMode | str, stream_len: int | None = None) -> None:
+    """The one home of the rules that tie a model's position embedding to how it is streamed: cache mode
+    re-indexes RoPE phases (absolute tables cannot be re-indexed), and a learned table bounds the length."""
+    if model.pos_emb is PosEmb.rope:
+        return
+    if PositionMode(mode) is PositionMode.cache:
+        raise ConfigError(
+            "eval.position_mode=cache needs RoPE: positions cannot be re-indexed inside the cache for a "
+            f"model with {model.pos_emb.value} absolute positions"
+        )
+    if stream_len is not None and stream_len > model.block_size:
+        raise ConfigError(
+            f"eval.stream_len={stream_len} is longer than the learned position table "
+            f"(model.block_size={model.block_size})"
+        )
+
+
+DEFAULT = StreamSpec()  # the default settings (a frozen value, safe as an argument default)
