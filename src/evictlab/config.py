@@ -84,10 +84,13 @@ class TrainConfig:
     recall_share: float = 0.0  # share of training samples replaced by pass-key documents (data/recall.py)
     # times each training pass-key document asks for (and answers) its key
     recall_queries: int = field(default=1, metadata=neutral(1))
+    # share of training samples replaced by synthetic in-context documents (data/synthetic.py)
+    synthetic_share: float = field(default=0.0, metadata=neutral(0.0))
 
     def __post_init__(self) -> None:
-        if not 0 <= self.recall_share < 1:
-            raise ConfigError(f"train.recall_share={self.recall_share} must be in [0, 1)")
+        for key in ("recall_share", "synthetic_share"):
+            if not 0 <= getattr(self, key) < 1:
+                raise ConfigError(f"train.{key}={getattr(self, key)} must be in [0, 1)")
         if self.recall_queries < 1:
             raise ConfigError(f"train.recall_queries={self.recall_queries} must be >= 1")
         for key in ("steps", "batch_size", "eval_interval", "eval_batches"):

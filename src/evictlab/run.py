@@ -32,6 +32,7 @@ from evictlab.data.dataset import Corpus, load_corpus
 from evictlab.data.recall import RecallBatch, recall_streams
 from evictlab.data.streams import eval_streams
 from evictlab.eval.evaluate import EvalResult, evaluate, greedy_divergence, recall_accuracy
+from evictlab.eval.sinks import sink_metrics
 from evictlab.eval.spec import check_positions
 from evictlab.models.gpt import GPT
 from evictlab.perf import set_threads
@@ -138,8 +139,10 @@ class RunStages:
         tokens, recall = self.streams(corpus, model)
         policy, budget, spec = self.cfg.strategy.build(), self.cfg.resolved_budget, self.cfg.eval.spec()
         res = evaluate(model, tokens, policy, budget, spec)
+        sink, sink_layers = self.sink(model, corpus)
+        res.layers = pd.concat([res.layers, sink_layers], ignore_index=True)
         frame = self.write_results(res)
-        metrics = self.identity(ck) | res.summary
+        metrics = self.identity(ck) | res.summary | sink
         if recall is not None:
             metrics |= self.recall_metrics(recall_accuracy(model, recall, policy, budget, spec, res))
         generations = None
@@ -191,6 +194,12 @@ class RunStages:
             seed=self.cfg.seed,
         )
         return tokens.to(device), None
+
+    def sink(self, model: GPT, corpus: Corpus):
+        """The model's attention-sink metrics (eval/sinks.py) at its training context."""
+        cfg = self.cfg
+        context = cfg.eval.stream_len if cfg.model.name_or_path else cfg.train.seq_len
+        return sink_metrics(model, corpus, context, cfg.model.sink_token, cfg.eval.split)
 
     def write_results(self, res: EvalResult) -> pd.DataFrame:
         frame = R.per_token_frame(res.per_token)

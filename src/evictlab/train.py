@@ -28,6 +28,7 @@ from tqdm.auto import tqdm
 from evictlab.config import Config, TrainConfig, hydra_entry, key_dict
 from evictlab.data.dataset import Corpus, TokenSplit, load_corpus
 from evictlab.errors import ConfigError
+from evictlab.eval.sinks import sink_metrics
 from evictlab.models.gpt import GPT, GPTConfig
 from evictlab.perf import matmul_flops_per_s, set_threads
 from evictlab.store import (
@@ -71,6 +72,7 @@ class WindowSampler:
         seed: int,
         recall_share: float = 0.0,
         recall_queries: int = 1,
+        synthetic_share: float = 0.0,
     ):
         self.prefix = np.asarray(corpus.prefix(sink_token), dtype=np.int64)
         self.stream = split.stream(corpus.tokenizer.bos_id if corpus.bos else None)
@@ -83,6 +85,7 @@ class WindowSampler:
         self.specials = [corpus.tokenizer.bos_id, corpus.tokenizer.sink_id]
         self.rng = np.random.default_rng(seed)
         self.recall_share, self.recall_queries = recall_share, recall_queries
+        self.synthetic_share = synthetic_share
         self.split, self.tok, self.seq_len = split, corpus.tokenizer, seq_len
 
     def batch(self, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -103,6 +106,13 @@ class WindowSampler:
                     self.rng,
                     queries=self.recall_queries,
                 )[0]
+        if self.synthetic_share > 0:  # replace a share by synthetic in-context documents (data/synthetic.py)
+            from evictlab.data.synthetic import make_synthetic_sequence
+
+            for i in np.flatnonzero(self.rng.random(batch_size) < self.synthetic_share):
+                rows[i] = make_synthetic_sequence(
+                    self.tok, self.prefix, self.split.ids, self.seq_len + 1, self.rng
+                )
         seq = torch.from_numpy(np.stack(rows))
         x, y = seq[:, :-1], seq[:, 1:].clone()
         y[torch.isin(y, torch.tensor(self.specials))] = -1
@@ -241,9 +251,12 @@ def train_model(cfg: Config, corpus: Corpus) -> tuple[GPT, dict[str, Any]]:
     device = torch.device(tc.device)
     torch.manual_seed(tc.seed)
     model = GPT(mc).to(device)
-    train_s = WindowSampler(
-        corpus.splits["train"], corpus, tc.seq_len, mc.sink_token, tc.seed, tc.recall_share, tc.recall_queries
-    )
+    mix = {
+        "recall_share": tc.recall_share,
+        "recall_queries": tc.recall_queries,
+        "synthetic_share": tc.synthetic_share,
+    }
+    train_s = WindowSampler(corpus.splits["train"], corpus, tc.seq_len, mc.sink_token, tc.seed, **mix)
     # Fixed evaluation windows, drawn from their own generators so they never move the training stream.
     val_s = WindowSampler(corpus.splits["val"], corpus, tc.seq_len, mc.sink_token, seed=10_000 + tc.seed)
     fixed_train = WindowSampler(
@@ -337,6 +350,9 @@ def get_checkpoint(cfg: Config, corpus: Corpus | None = None) -> Checkpoint:
             return hit
         log.info("training %s (checkpoint key %s)", cfg.model.name, key)
         model, record = train_model(cfg, corpus)
+        sink, layers = sink_metrics(model, corpus, cfg.train.seq_len, cfg.model.sink_token)
+        last = layers[layers["metric"] == "last_query_first_mass"].sort_values("layer")["value"]
+        record |= sink | {"last_query_first_mass": last.tolist()}
         meta = {
             "key": key,
             "model": to_jsonable(cfg.model),

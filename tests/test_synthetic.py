@@ -1,0 +1,95 @@
+"""Synthetic in-context training documents (train.synthetic_share) and the attention-sink metrics."""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+
+from evictlab.data.synthetic import TRIGGERS, make_synthetic_sequence
+from evictlab.data.tokenizers import ByteTokenizer
+from evictlab.eval import sinks
+from tests.conftest import make_cfg
+
+
+@pytest.fixture(scope="module")
+def corpus(session_outputs):
+    from evictlab.data import load_corpus
+
+    cfg = make_cfg(session_outputs)
+    return load_corpus(cfg.dataset, cfg.tokenizer, cfg.outputs)
+
+
+def test_a_synthetic_document_has_its_length_prefix_and_in_context_jobs(corpus):
+    tok, prefix = corpus.tokenizer, np.array(corpus.prefix(False))
+    filler = corpus.splits["train"].ids
+    for seed in range(5):
+        seq = make_synthetic_sequence(tok, prefix, filler, 513, np.random.default_rng(seed))
+        again = make_synthetic_sequence(tok, prefix, filler, 513, np.random.default_rng(seed))
+        assert len(seq) == 513 and np.array_equal(seq, again) and np.array_equal(seq[: len(prefix)], prefix)
+        text = tok.decode(seq[len(prefix) :])
+        # every trigger character is followed by the same character throughout the document
+        for t in TRIGGERS:
+            followers = {text[i + 1] for i in range(len(text) - 1) if text[i] == t}
+            assert len(followers) <= 1, (seed, repr(t), followers)
+        # every answered key-value query repeats the value recorded earlier
+        records = dict(part.split("=", 1) for part in text.split("@")[1:] if "=" in part[:3])
+        for part in text.split("@")[1:]:
+            if part[2:3] == "?" and part.count(";"):
+                key, value = part[:2], part[3 : part.index(";")]
+                assert records.get(key, value)[: len(value)] == value
+    assert (
+        len(
+            {
+                tuple(make_synthetic_sequence(tok, prefix, filler, 200, np.random.default_rng(s)))
+                for s in range(4)
+            }
+        )
+        == 4
+    )
+
+
+def test_synthetic_share_mixes_documents_into_training_and_zero_changes_nothing(corpus):
+    from evictlab.train import WindowSampler
+
+    split = corpus.splits["train"]
+    plain = WindowSampler(split, corpus, 128, False, seed=3).batch(8)
+    zero = WindowSampler(split, corpus, 128, False, seed=3, synthetic_share=0.0).batch(8)
+    assert all(torch.equal(a, b) for a, b in zip(plain, zero, strict=True))  # the neutral value
+    x, _ = WindowSampler(split, corpus, 128, False, seed=3, synthetic_share=0.9).batch(32)
+    triggers = torch.tensor([ord(t) for t in TRIGGERS])
+    with_jobs = torch.isin(x, triggers).any(1) | (x == ord("@")).any(1)
+    assert 20 <= int(with_jobs.sum()) <= 32 and x.shape == (32, 128)
+
+
+def test_sink_metrics_follow_gu_et_al(monkeypatch, corpus):
+    # 3 layers x 2 heads; alpha (mean attention on position 0 over queries) set per head
+    alpha = torch.tensor([[0.9, 0.1], [0.2, 0.5], [0.31, 0.29]])
+
+    def fake(model, tokens):
+        B, n = tokens.shape[0], tokens.shape[1] - 1
+        return [alpha[l][None, :, None].expand(B, 2, n).clone() for l in range(3)]
+
+    monkeypatch.setattr(sinks, "_first_position_attention", fake)
+    scalars, layers = sinks.sink_metrics(torch.nn.Linear(1, 1), corpus, 64, False)
+    assert scalars["sink_head_fraction"] == pytest.approx(3 / 6)  # 0.9, 0.5, 0.31 exceed 0.3
+    assert scalars["sink_head_fraction_deep"] == pytest.approx(2 / 4)  # layers >= 1: 0.5, 0.31
+    last = layers[layers["metric"] == "last_query_first_mass"].sort_values("layer")["value"]
+    assert last.tolist() == pytest.approx([0.5, 0.35, 0.3])  # mean over heads
+    a = layers[layers["metric"] == "sink_alpha"].pivot(index="layer", columns="head", values="value")
+    np.testing.assert_allclose(a.to_numpy(), alpha.numpy(), rtol=1e-6)
+
+
+def test_runs_and_checkpoints_record_the_sink_metrics(tiny_checkpoint, tmp_path):
+    from evictlab import run as run_mod
+    from tests.test_pipeline import cfg_for
+
+    meta = tiny_checkpoint.meta
+    assert 0 <= meta["sink_head_fraction"] <= 1 and len(meta["last_query_first_mass"]) == 2
+    cfg = cfg_for(tmp_path / "outputs", "strategy=window", "budget=b16", "logger=none")
+    m = run_mod.run(cfg)
+    assert {"sink_head_fraction", "sink_head_fraction_deep"} <= set(m)
+    layers = pd.read_parquet(run_mod.run_dir(cfg) / "layers.parquet")
+    assert {"sink_alpha", "last_query_first_mass"} <= set(layers["metric"])
+    assert ByteTokenizer().encode("@")[0] == ord("@")  # the byte tokenizer maps bytes to their ids
