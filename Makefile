@@ -10,7 +10,7 @@ LAUNCHER ?= local
 OUT ?= $(or $(EVICTLAB_OUTPUTS),outputs)
 
 .DEFAULT_GOAL := help
-.PHONY: help install test test-fast lint format train run sweep smoke paper aggregate figures report print-config sync bench clean-cache
+.PHONY: help install test test-fast lint format train run sweep smoke paper aggregate figures report print-config sync bench bench-long clean-cache
 
 help: ## List every target with one line each
 	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z_-]+:.*## / {printf "  make %-12s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
@@ -76,6 +76,9 @@ sync: ## Upload offline W&B runs (needs a network and `wandb login`)
 
 bench: ## Engine speed/KV-memory benchmark vs the naive reference loop -> outputs/bench/latest.json
 	$(PY) benchmarks/bench_engine.py $(ARGS)
+
+bench-long: ## Long streams: peak RSS and token-steps/s at 8,192 and 2^18 tokens, the full cache at 32,768
+	$(PY) benchmarks/bench_long.py $(ARGS)
 
 clean-cache: ## Delete cached tokens and checkpoints under outputs/
 	rm -rf $(OUT)/cache $(OUT)/checkpoints

@@ -16,7 +16,6 @@ import json
 import platform
 import sys
 import time
-from pathlib import Path
 
 import torch
 
@@ -25,8 +24,8 @@ from evictlab.eval import StreamSpec, full_reference
 from evictlab.eval.evaluate import evaluate, kv_bytes
 from evictlab.eval.reference import reference_stream
 from evictlab.models.gpt import GPT, GPTConfig
-from evictlab.perf import cpu_name, matmul_flops_per_s, set_threads
-from evictlab.store import git_info, outputs_dir, write_json
+from evictlab.perf import cpu_name, matmul_flops_per_s, save_report, set_threads
+from evictlab.store import git_info
 
 SCORE_FREE_TARGET, SCORED_TARGET, PARALLEL_TARGET = 10.0, 6.0, 20.0
 
@@ -147,10 +146,7 @@ def main(argv: list[str] | None = None) -> dict:
         "git": git_info(),
         "rows": rows,
     }
-    out = Path(args.out) if args.out else outputs_dir() / "bench" / "latest.json"
-    write_json(out, report)
-    print(markdown_table(report))
-    print(f"\nwrote {out}", file=sys.stderr)
+    save_report(report, markdown_table(report), args.out, "latest.json")
     return report
 
 

@@ -165,3 +165,23 @@ def test_settings_that_cannot_change_results_are_out_of_every_key():
 def to_objects_default() -> Config:
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         return to_objects(compose("config"))
+
+
+@pytest.mark.parametrize(
+    "overrides, match",
+    [
+        (["eval.full_max_len=0"], "eval.full_max_len=0 must be >= 1"),
+        (["eval.block=-5"], "eval.block=-5 must be >= 1"),
+        (
+            ["strategy=full", "eval.stream_len=5000"],
+            "strategy=full keeps every entry.*eval.full_max_len=4096",
+        ),
+        (["strategy=oracle", "eval.stream_len=300", "eval.full_max_len=200"], "future.*full_max_len=200"),
+    ],
+)
+def test_long_stream_settings_fail_before_work(overrides, match):
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        with pytest.raises(ConfigError, match=match):
+            to_objects(compose("config", overrides=overrides))
+        # a bounded policy past the cap is fine: the reference covers the first full_max_len predictions
+        to_objects(compose("config", overrides=["strategy=window", "eval.stream_len=5000"]))

@@ -38,7 +38,7 @@ def test_snapshots_are_real_sweeps():
         spec = paper.load_spec(folder)
         res = paper.load_snapshot(folder)["results"]
         assert set(res["group"]) == {spec["experiment"]}
-        strategies = {p[0].removeprefix("strategy=") for p in grid(spec["experiment"])}
+        strategies = {p[0].removeprefix("strategy=") for exp in paper.experiments(spec) for p in grid(exp)}
         assert set(res["strategy"]) == strategies
         assert res["run_key"].str.fullmatch(r"[0-9a-f]{16}").all()
 
@@ -76,7 +76,9 @@ def test_make_paper_refreshes_the_snapshot_from_the_sweep(tmp_path: Path, monkey
     monkeypatch.setattr(paper.subprocess, "run", fake_make)
     monkeypatch.setattr(paper, "EXPERIMENTS", tmp_path / "experiments")
     assert paper.main(["run", "--launcher", "submitit_local", "--out", str(tmp_path / "figs")]) == 0
-    assert calls == [["make", "sweep", "EXP=position_modes", "LAUNCHER=submitit_local"]]
+    assert calls == [
+        ["make", "sweep", "EXP=position_modes", "GROUP=position_modes", "LAUNCHER=submitit_local"]
+    ]
     assert {p.name for p in (folder / "snapshot").iterdir()} == {
         "results.parquet",
         "streams.parquet",

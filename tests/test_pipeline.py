@@ -182,8 +182,13 @@ BAD = [
     ("bad-position-mode", ["eval.position_mode=rotary"], "position_mode"),
     (
         "stream-too-long",
-        ["eval.stream_source=documents", "eval.stream_len=100000"],
+        ["strategy=window", "eval.stream_source=documents", "eval.stream_len=100000"],
         "longer than the documents",
+    ),
+    (
+        "stream-longer-than-the-split",
+        ["strategy=window", "eval.stream_len=2000000"],
+        "they hold",
     ),
     ("hf-without-path", ["model=hf"], "model.name_or_path"),
     (
@@ -255,3 +260,23 @@ def test_submitit_local_sweep_takes_the_slurm_code_path(outputs: Path):
     assert len({d["run_key"] for d in done.values()}) == 4
     # four jobs needed one checkpoint: it was trained once
     assert len(list((outputs / "checkpoints").glob("gpt_tiny-*/meta.json"))) == 1
+
+
+def test_a_run_past_the_reference_cap_records_its_metrics_as_absent_and_still_draws(outputs: Path):
+    from evictlab.analysis import figures as F
+    from evictlab.analysis.aggregate import aggregate
+    from evictlab.analysis.report import load_tables
+
+    for strategy in ("window", "h2o"):
+        cfg = cfg_for(outputs, f"strategy={strategy}", "budget=b16", "logger=none", "eval.full_max_len=40")
+        m = run_mod.run(cfg)
+        assert m["full_reference_len"] == 40 and m["ppl_full"] > 1 and 0 <= m["agreement"] <= 1
+        pt = pd.read_parquet(run_mod.run_dir(cfg) / "per_token.parquet")
+        covered = pt["position"] <= 40
+        for col in ("nll_full", "kl", "agree", "lost_mean", "sink_mass_mean"):
+            assert pt.loc[covered, col].notna().all() and pt.loc[~covered, col].isna().all(), (strategy, col)
+        assert pt["nll"].notna().all()
+    sweep = outputs / "runs" / "adhoc"
+    aggregate([sweep], sweep)
+    figs = F.draw_all(load_tables(sweep))
+    assert {"ppl_vs_budget", "kl_vs_budget", "nll_vs_position"} <= set(figs)

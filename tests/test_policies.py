@@ -152,6 +152,41 @@ def test_parallel_path_equals_token_loop(setup, name, mode):
     assert torch.equal(fast.occupancy, loop.occupancy)
 
 
+@pytest.mark.parametrize("name, mode", PARALLEL + [("recompute_window", m) for m in MODES])
+def test_blocked_static_paths_equal_the_token_loop(setup, name, mode):
+    """Streams several times the block: each block of queries sees only the keys its window reaches."""
+    model, tokens, ref = setup
+    budget = small_budget(name)
+    blocked = stream(
+        model, tokens, make_policy(name), budget, StreamSpec(position_mode=mode, block=7), reference=ref
+    )
+    whole = run(setup, name, mode, budget)  # one block
+    torch.testing.assert_close(blocked.nll, whole.nll, rtol=0, atol=1e-10)
+    torch.testing.assert_close(blocked.kl, whole.kl, rtol=0, atol=1e-10)
+    torch.testing.assert_close(blocked.lost, whole.lost, rtol=0, atol=1e-10)
+    if name != "recompute_window":
+        loop = run(setup, name, mode, budget, force_loop=True)
+        torch.testing.assert_close(blocked.nll, loop.nll, rtol=0, atol=1e-10)
+
+
+def test_chunked_full_reference_equals_the_unchunked_one(setup):
+    from evictlab.eval.static import full_logp
+
+    model, tokens, ref = setup
+    torch.testing.assert_close(full_logp(model, tokens, block=6), ref.logp, rtol=0, atol=1e-10)
+
+
+def test_a_reference_shorter_than_the_stream_leaves_nan_after_it(setup):
+    model, tokens, _ = setup
+    short = full_reference(model, tokens[:, :21], attention=True)  # covers 20 of 39 steps
+    for name, force_loop in (("window", False), ("window", True), ("h2o", False)):
+        spec = StreamSpec(force_loop=force_loop, block=8)
+        out = stream(model, tokens, make_policy(name), 10, spec, reference=short)
+        assert not out.nll.isnan().any()
+        for x in (out.kl, out.agree, out.lost, out.sink_mass):
+            assert not x[:, :20].isnan().any() and x[:, 20:].isnan().all(), name
+
+
 @pytest.mark.parametrize("name", NAMES)
 def test_one_seed_is_bit_identical(setup, name):
     a = run(setup, name, "original", small_budget(name))

@@ -32,6 +32,8 @@ def read_records(path: str | Path) -> list[Any]:
             pos += left
             continue
         _crc, length, kind = struct.unpack("<IHB", data[pos : pos + HEADER])
+        if pos + HEADER + length > len(data):  # a record still being written
+            break
         chunk = data[pos + HEADER : pos + HEADER + length]
         pos += HEADER + length
         if kind == FULL:
@@ -49,10 +51,20 @@ def read_records(path: str | Path) -> list[Any]:
     return [wandb_internal_pb2.Record.FromString(b) for b in out]
 
 
-def read_run(path: str | Path) -> dict[str, Any]:
-    """The run's id, group, job type, tags, config (values decoded) and final summary."""
+def read_run(path: str | Path, wait_s: float = 30.0) -> dict[str, Any]:
+    """The run's id, group, job type, tags, config (values decoded) and final summary.
+
+    wandb-core writes the file from its own process; on a busy machine the run record can land after
+    `run.finish()` has returned, so the reader waits up to `wait_s` for it."""
+    import time
+
+    deadline = time.monotonic() + wait_s
+    records = read_records(path)
+    while not any(r.WhichOneof("record_type") == "run" for r in records) and time.monotonic() < deadline:
+        time.sleep(0.5)
+        records = read_records(path)
     info: dict[str, Any] = {"config": {}, "summary": {}, "tags": [], "history": []}
-    for rec in read_records(path):
+    for rec in records:
         kind = rec.WhichOneof("record_type")
         if kind == "run":
             info |= {"id": rec.run.run_id, "group": rec.run.run_group, "job_type": rec.run.job_type}

@@ -26,6 +26,7 @@ from evictlab.data.corpora import DatasetConfig
 from evictlab.data.streams import StreamSource
 from evictlab.data.tokenizers import TokenizerConfig
 from evictlab.errors import ConfigError
+from evictlab.eval.evaluate import check_reference_cap
 from evictlab.eval.spec import PositionMode, StreamSpec, check_positions
 from evictlab.models.gpt import GPTConfig, PosEmb
 from evictlab.store import REPO_ROOT, to_jsonable
@@ -175,6 +176,11 @@ class EvalConfig:
     device: str = field(default="cpu", metadata=KEYLESS)
     threads: int = field(default=1, metadata=KEYLESS)  # torch threads per run (sweeps run several at once)
     progress: bool = field(default=False, metadata=KEYLESS)
+    # queries per block on the static paths (memory O(block x (block + budget)); numbers equal up to rounding)
+    block: int = field(default=2048, metadata=KEYLESS)
+    # the full-cache reference (nll_full, KL, agreement, attention diagnostics) covers at most this many
+    # predictions per stream; past it those metrics are absent (NaN), and the full cache cannot run
+    full_max_len: int = field(default=4096, metadata=neutral(4096))
     generate_tokens: int = 0  # > 0: greedy continuations of this many tokens vs the full cache's
     task: EvalTask = EvalTask.lm
     recall_depths: list[float] = field(default_factory=lambda: [0.1, 0.3, 0.5, 0.7, 0.9])
@@ -198,7 +204,7 @@ class EvalConfig:
 
     def spec(self) -> StreamSpec:
         """How each stream is evaluated: the settings the engine reads, as one value."""
-        keys = ("position_mode", "allocation", "batch_size", "diagnostics", "force_loop", "progress")
+        keys = [f.name for f in dataclasses.fields(StreamSpec)]
         return StreamSpec(**{k: getattr(self, k) for k in keys})
 
 
@@ -250,8 +256,9 @@ class Config:
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise ConfigError(f"seed={self.seed!r} must be an integer")
         check_device("train.device", self.train.device)
-        n = self.eval.stream_len - 1  # the same per-layer checks the engine makes, before any work
+        n = self.eval.stream_len - 1  # the same checks the engine makes, before any work
         budgets_for(self.model.n_layer, self.strategy.build(), self.resolved_budget, self.eval.allocation, n)
+        check_reference_cap(self.strategy.build(), n, self.eval.spec())
 
     @property
     def resolved_budget(self) -> int:

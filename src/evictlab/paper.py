@@ -61,11 +61,19 @@ def experiment_folders() -> list[Path]:
     return sorted(p.parent for p in EXPERIMENTS.glob("*/figures.yaml"))
 
 
+def experiments(spec: dict) -> list[str]:
+    """The Hydra experiments whose runs make up a folder's sweep: `experiment` (whose group names the
+    sweep) and those listed under `also` (which share that group)."""
+    return [spec["experiment"], *spec.get("also", [])]
+
+
 def refresh(folder: Path, launcher: str) -> None:
-    """Re-run the folder's Hydra experiment (make sweep) and copy its aggregated tables into snapshot/."""
-    exp = load_spec(folder)["experiment"]
-    subprocess.run(["make", "sweep", f"EXP={exp}", f"LAUNCHER={launcher}"], cwd=REPO_ROOT, check=True)
-    sweep = outputs_dir() / "runs" / exp
+    """Re-run the folder's Hydra experiments (make sweep) and copy the aggregated tables into snapshot/."""
+    exps = experiments(load_spec(folder))
+    for exp in exps:
+        cmd = ["make", "sweep", f"EXP={exp}", f"GROUP={exps[0]}", f"LAUNCHER={launcher}"]
+        subprocess.run(cmd, cwd=REPO_ROOT, check=True)
+    sweep = outputs_dir() / "runs" / exps[0]
     (folder / "snapshot").mkdir(exist_ok=True)
     for t in R.TABLES:
         if R.table_path(sweep, t).exists():

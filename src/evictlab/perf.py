@@ -6,6 +6,7 @@ import os
 import resource
 import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -44,3 +45,14 @@ def cpu_name() -> str:
     except OSError:
         pass
     return os.uname().machine
+
+
+def save_report(report: dict, table: str, out: str | None, default_name: str):
+    """Write a benchmark's JSON report (to `out`, or outputs/bench/<default_name>) and print its table."""
+    from evictlab.store import outputs_dir, write_json
+
+    path = Path(out) if out else outputs_dir() / "bench" / default_name
+    write_json(path, report)
+    print(table)
+    print(f"\nwrote {path}", file=sys.stderr)
+    return path

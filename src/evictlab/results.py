@@ -5,6 +5,7 @@ only numpy and pandas, so the analysis stage never loads torch or hydra. docs/re
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -83,6 +84,46 @@ def per_token_frame(per_token: dict[str, np.ndarray]) -> pd.DataFrame:
             for layer in range(arr.shape[-1]):
                 cols[f"{name}_l{layer}"] = arr[..., layer].reshape(-1)
     return pd.DataFrame(cols)
+
+
+def write_per_token(path: Path, per_token: dict[str, np.ndarray], rows_per_group: int = 1 << 18) -> None:
+    """per_token.parquet, written in row groups of about `rows_per_group` rows: a long stream never has
+    a second full copy in memory as one table."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    N, n = per_token["nll"].shape
+    step = max(1, rows_per_group // N)  # positions per group, all streams
+    writer = None
+    try:
+        for p0 in range(0, n, step):
+            part = {k: v[:, p0 : p0 + step] for k, v in per_token.items()}
+            frame = per_token_frame(part)
+            frame["position"] += p0
+            table = pa.Table.from_pandas(frame, preserve_index=False)
+            writer = writer or pq.ParquetWriter(path, table.schema)
+            writer.write_table(table)
+    finally:
+        if writer is not None:
+            writer.close()
+
+
+def nll_curve(per_token: dict[str, np.ndarray], max_rows: int = 2000) -> pd.DataFrame:
+    """Mean NLL (and full-cache NLL) by predicted position over streams; past max_rows positions, by
+    log-spaced position bucket (position = the bucket's geometric centre), so a 1M-token run logs a
+    table of at most max_rows rows."""
+    with np.errstate(all="ignore"), warnings.catch_warnings():  # all-NaN past the reference's cap
+        warnings.simplefilter("ignore", RuntimeWarning)
+        cols = {k: np.nanmean(per_token[k], axis=0) for k in ("nll", "nll_full") if k in per_token}
+    n = len(cols["nll"])
+    frame = pd.DataFrame({"position": np.arange(1, n + 1), **cols})
+    if n <= max_rows:
+        return frame
+    edges = position_buckets(n, num=max_rows)
+    bucket = np.searchsorted(edges, frame["position"].to_numpy(), side="right") - 1
+    out = frame.groupby(bucket).mean()
+    out["position"] = [float(np.sqrt(edges[b] * edges[min(b + 1, len(edges) - 1)])) for b in out.index]
+    return out.reset_index(drop=True)
 
 
 def attention_frame(by_key: np.ndarray) -> pd.DataFrame:

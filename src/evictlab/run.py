@@ -141,7 +141,7 @@ class RunStages:
         res = evaluate(model, tokens, policy, budget, spec)
         sink, sink_layers = self.sink(model, corpus)
         res.layers = pd.concat([res.layers, sink_layers], ignore_index=True)
-        frame = self.write_results(res)
+        curve = self.write_results(res)
         metrics = self.identity(ck) | res.summary | sink
         if recall is not None:
             metrics |= self.recall_metrics(recall_accuracy(model, recall, policy, budget, spec, res))
@@ -149,7 +149,7 @@ class RunStages:
         if self.cfg.eval.generate_tokens and not policy.needs_future:  # a non-causal policy cannot generate
             generations, extra = self.generation(model, tokens, corpus)
             metrics |= extra
-        self.track(metrics, frame, generations)
+        self.track(metrics, curve, generations)
         return metrics
 
     def subject(self) -> tuple[Corpus, Checkpoint, GPT]:
@@ -202,12 +202,12 @@ class RunStages:
         return sink_metrics(model, corpus, context, cfg.model.sink_token, cfg.eval.split)
 
     def write_results(self, res: EvalResult) -> pd.DataFrame:
-        frame = R.per_token_frame(res.per_token)
-        _write_table(self.out / R.PER_TOKEN, frame)
+        """The run's result files; returns the NLL-by-position curve (bounded in rows) for tracking."""
+        write_atomic(self.out / R.PER_TOKEN, lambda p: R.write_per_token(p, res.per_token))
         _write_table(self.out / R.LAYERS, res.layers)
         if res.attention_by_key is not None:
             _write_table(self.out / R.ATTENTION, R.attention_frame(res.attention_by_key))
-        return frame
+        return R.nll_curve(res.per_token)
 
     def identity(self, ck: Checkpoint) -> dict[str, Any]:
         cfg = self.cfg
@@ -259,13 +259,10 @@ class RunStages:
             "gen_agreement": float(g["agreement"].mean()),
         }
 
-    def track(self, metrics: dict[str, Any], frame: pd.DataFrame, generations) -> None:
+    def track(self, metrics: dict[str, Any], curve: pd.DataFrame, generations) -> None:
         from evictlab import tracking
         from evictlab.store import to_jsonable
 
-        curve = frame.groupby("position", as_index=False)[
-            [c for c in ("nll", "nll_full") if c in frame]
-        ].mean()
         tracking.log_eval(self.cfg, self.key, to_jsonable(self.cfg), metrics, curve, generations)
 
 

@@ -163,8 +163,12 @@ def agreement_vs_budget(streams: pd.DataFrame, mode: str = "original") -> Figure
     return metric_vs_budget(streams, "agree", "top-1 agreement with the full cache", mode=mode)
 
 
-def nll_vs_position(curves: pd.DataFrame, budget: int, mode: str = "original") -> Figure:
-    """Mean NLL by token position (log x) per policy at one budget: the StreamingLLM figure."""
+def nll_vs_position(
+    curves: pd.DataFrame, budget: int, mode: str = "original", context: int | None = None
+) -> Figure:
+    """Mean NLL by token position (log x) per policy at one budget: StreamingLLM's Figure 3. `context`: the
+    model's training context, marked (past it the full cache attends beyond the positions it was
+    trained on); a line stops where its run's stream (or the full-cache reference's cap) ends."""
     theme()
     P = Policies(curves)
     at = (curves["budget"] == budget) | ~curves["evicts"].astype(bool)
@@ -176,6 +180,8 @@ def nll_vs_position(curves: pd.DataFrame, budget: int, mode: str = "original") -
         ls = "--" if P.is_reference(name) else "-"
         ax.plot(g["position"], g["nll"], color=P.color(name), label=P.label(name), ls=ls)
     ax.axvline(budget, color="0.5", lw=0.8, ls=":")
+    if context is not None:
+        ax.axvline(context, color="k", lw=1.0, ls="-.", label=f"training context ({context})")
     ax.set_xscale("log")
     title = f"NLL by position, budget {budget} ({mode} positions)"
     return _finish(fig, ax, "token position in the stream", "NLL [nats]", title)

@@ -2,12 +2,12 @@
 
 Three exact paths, chosen from the policy's own flags (``spec.force_loop`` always takes the token loop):
 
-* **parallel** - position-static policies (`static_keep`) in ``original`` mode, and shift-invariant ones
-  (a contiguous window: the same relative distances after re-indexing) in ``cache`` mode too: one
-  forward with a per-layer keep mask.
+* **parallel** - position-static policies (`static_window`) in ``original`` mode, and shift-invariant
+  ones (a contiguous window: the same relative distances after re-indexing) in ``cache`` mode too:
+  blocks of queries, each over the keys its window reaches (eval/static.py).
 * **loop** - one token per step over preallocated slot buffers (eval/loop.py).
 * **recompute** - policies that keep no cache (`recompute`): every prediction is a fresh forward over the
-  last budget+1 tokens, run as batched forwards over all windows.
+  last budget+1 tokens, run as batched forwards over the windows of a block of steps.
 
 Step t processes the token at position t and predicts token t+1 (t = 0 .. T-2). The query attends to
 the entries kept after step t-1 (at most `budget`) plus itself; then the cache is evicted to budget.
@@ -19,14 +19,14 @@ import time
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 
 from evictlab.cache.budget import budgets_for
 from evictlab.cache.policies import Policy
 from evictlab.errors import ConfigError
-from evictlab.eval.full import FullReference, token_metrics
+from evictlab.eval.full import FullReference
 from evictlab.eval.loop import stream_loop
 from evictlab.eval.spec import DEFAULT, PositionMode, StreamSpec, check_positions
+from evictlab.eval.static import stream_recompute, stream_static
 from evictlab.models.gpt import GPT
 
 
@@ -47,86 +47,19 @@ class StreamOutput:
 
 
 def parallel_ok(policy: Policy, mode: PositionMode) -> bool:
-    if policy.recompute or policy.static_keep(1, 1, torch.device("cpu")) is None:
+    if policy.recompute or policy.static_window(1) is None:
         return False
     return mode is PositionMode.original or policy.shift_invariant
 
 
-class _MaskedAttention:
-    """Each layer's attention over the whole stream under its keep mask [n, n]."""
-
-    def __init__(self, pos: torch.Tensor, keeps: list[torch.Tensor]):
-        self.pos, self.keeps = pos, keeps
-
-    def __call__(self, l: int, a, h: torch.Tensor) -> torch.Tensor:
-        q, k, v = a.project(h)
-        return a.out(a.attend(a.rotate(q, self.pos), a.rotate(k, self.pos), v, mask=self.keeps[l]))
-
-
-def _static_output(logits, tgt, budgets, keeps, ref: FullReference | None, path: str) -> StreamOutput:
-    """Per-token outputs of a path whose held entries follow a static keep mask per layer."""
-    m = token_metrics(F.log_softmax(logits, dim=-1), tgt, None if ref is None else ref.logp)
-    lost = None
-    if ref is not None and ref.attn is not None:
-        lost = torch.stack([1 - (a * k).sum(-1).mean(1) for a, k in zip(ref.attn, keeps, strict=True)], -1)
-    steps = torch.arange(1, tgt.shape[1] + 1, device=tgt.device)
+def _static_output(per_token: dict, tokens: torch.Tensor, budgets: list[int], path: str) -> StreamOutput:
+    steps = torch.arange(1, tokens.shape[1], device=tokens.device)
     occupancy = torch.stack([steps.clamp(max=b) for b in budgets], dim=-1)
-    return StreamOutput(**m, occupancy=occupancy, path=path, budgets=budgets, lost=lost)
+    return StreamOutput(**per_token, occupancy=occupancy, path=path, budgets=budgets)
 
 
-@torch.no_grad()
-def _stream_parallel(model, tokens, policy, budgets, ref) -> StreamOutput:
-    inp, tgt = tokens[:, :-1], tokens[:, 1:]
-    n = inp.shape[1]
-    pos = torch.arange(n, device=tokens.device)
-    keeps = [policy.static_keep(n, b, tokens.device) for b in budgets]
-    logits = model.forward_with(inp, pos, _MaskedAttention(pos, keeps))
-    return _static_output(logits, tgt, budgets, keeps, ref, "parallel")
-
-
-def recompute_windows(inp: torch.Tensor, W: int, mode: PositionMode):
-    """The windows of the steps t = W .. n-1 of inp [B, n]: tokens [B * (n-W), W] (step t sees t-W+1 .. t)
-    and their positions: 0 .. W-1 (re-encoded from position 0, `cache`) or the text positions (`original`)."""
-    B, n = inp.shape
-    rows = inp.unfold(1, W, 1)[:, 1:].reshape(-1, W)  # [B * (n-W), W]
-    k = torch.arange(W, device=inp.device)
-    if mode is PositionMode.cache:
-        return rows, k
-    starts = torch.arange(1, n - W + 1, device=inp.device).repeat(B)
-    return rows, starts[:, None] + k
-
-
-@torch.no_grad()
-def _stream_recompute(model, tokens, policy, budgets, mode, ref, chunk_tokens: int = 2048) -> StreamOutput:
-    """Window of the last W = budget + 1 tokens, re-encoded for every prediction.
-
-    While t < W the window is the whole prefix 0..t at positions 0..t in both modes, i.e. the full
-    cache: one causal forward covers those steps. Every later step is a full window of W tokens; all
-    of them run as batched causal forwards (no padding, so the fused causal kernel applies), in chunks
-    of about `chunk_tokens` tokens: larger chunks fall out of the CPU caches and run slower.
-    """
-    if len(set(budgets)) != 1:
-        raise ConfigError(f"{policy.name} re-encodes one window for all layers: use allocation=uniform")
-    W = budgets[0] + 1  # budget kept entries + the token itself
-    inp, tgt = tokens[:, :-1], tokens[:, 1:]
-    B, n = inp.shape
-    parts = [model(inp[:, : min(W, n)])]  # steps 0 .. W-1: the window is the prefix
-    if n > W:
-        rows, pos = recompute_windows(inp, W, mode)
-        step = max(1, chunk_tokens // W)
-        tail = [
-            model.forward_with(
-                rows[r : r + step], pos if pos.dim() == 1 else pos[r : r + step], last_only=True
-            )
-            for r in range(0, rows.shape[0], step)
-        ]
-        parts.append(torch.cat(tail).view(B, n - W, -1))
-    keeps = [policy.static_keep(n, b, tokens.device) for b in budgets]  # the tokens each window holds
-    return _static_output(torch.cat(parts, dim=1), tgt, budgets, keeps, ref, "recompute")
-
-
-def _loop_output(model, tokens, policy, budgets, mode, ref, doc) -> StreamOutput:
-    per_token, loop, _ = stream_loop(model, tokens, policy, budgets, mode, ref, doc)
+def _loop_output(model, tokens, policy, budgets, mode, ref, doc, progress: bool) -> StreamOutput:
+    per_token, loop, _ = stream_loop(model, tokens, policy, budgets, mode, ref, doc, progress=progress)
     lost = None if loop.lost is None else loop.lost.values
     return StreamOutput(
         **per_token,
@@ -164,15 +97,23 @@ def stream(
     doc = doc if doc is not None else torch.arange(B, device=tokens.device)
     model.eval()
     start = time.perf_counter()
+    windows = [policy.static_window(b) for b in budgets]
     if policy.recompute:
-        out = _stream_recompute(model, tokens, policy, budgets, spec.position_mode, reference)
+        if len(set(budgets)) != 1:
+            raise ConfigError(f"{policy.name} re-encodes one window for all layers: use allocation=uniform")
+        per_token = stream_recompute(model, tokens, budgets[0] + 1, spec.position_mode, reference, spec.block)
+        out = _static_output(per_token, tokens, budgets, "recompute")
     elif parallel_ok(policy, spec.position_mode) and not spec.force_loop:
-        out = _stream_parallel(model, tokens, policy, budgets, reference)
+        out = _static_output(
+            stream_static(model, tokens, windows, reference, spec.block), tokens, budgets, "parallel"
+        )
     else:
-        out = _loop_output(model, tokens, policy, budgets, spec.position_mode, reference, doc)
+        out = _loop_output(model, tokens, policy, budgets, spec.position_mode, reference, doc, spec.progress)
     out.seconds = time.perf_counter() - start
-    if reference is not None:
-        out.sink_mass = reference.sink_mass()
+    if reference is not None and reference.attn is not None:  # NaN past the steps the reference covers
+        sink = reference.sink_mass()
+        out.sink_mass = sink.new_full((B, T - 1, sink.shape[-1]), float("nan"))
+        out.sink_mass[:, : sink.shape[1]] = sink
     return out
 
 

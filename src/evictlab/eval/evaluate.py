@@ -19,6 +19,7 @@ from evictlab.errors import ConfigError
 from evictlab.eval.engine import StreamOutput, generate, stream
 from evictlab.eval.full import FullReference, full_reference
 from evictlab.eval.spec import DEFAULT, StreamSpec
+from evictlab.eval.static import full_logp
 from evictlab.models.gpt import GPT
 from evictlab.perf import peak_rss_bytes
 
@@ -58,16 +59,36 @@ class Batches:
         return [r.logp.shape[0] for r in self.refs]
 
 
+def check_reference_cap(policy: Policy, n: int, spec: StreamSpec) -> None:
+    """A policy that is the full cache, or that reads its future, cannot run past the reference's cap."""
+    if n <= spec.full_max_len or (policy.evicts and not policy.needs_future):
+        return
+    why = "keeps every entry" if not policy.evicts else "reads the full-cache run's future"
+    raise ConfigError(
+        f"strategy={policy.name} {why}: streams of {n + 1} tokens are longer than the full-cache reference "
+        f"covers (eval.full_max_len={spec.full_max_len} predictions): shorten eval.stream_len or raise it"
+    )
+
+
+def reference_for(model: GPT, batch: torch.Tensor, policy: Policy, spec: StreamSpec) -> FullReference:
+    """The full-cache run of a batch over its first spec.full_max_len predictions: with attention weights
+    when diagnostics (or the policy) need them, else chunked over a growing KV cache (no [T, T] matrix)."""
+    batch = batch[:, : spec.full_max_len + 1]
+    if spec.diagnostics or policy.needs_future:
+        return full_reference(model, batch, attention=True, future=policy.needs_future)
+    return FullReference(logp=full_logp(model, batch, spec.block), attn=None)
+
+
 def run_batches(model: GPT, tokens: torch.Tensor, policy: Policy, budget: int, spec: StreamSpec) -> Batches:
     """Stream every row of tokens [N, T] under the policy, spec.batch_size rows at a time, each batch
     against its own full-cache run."""
+    check_reference_cap(policy, tokens.shape[1] - 1, spec)
     outs, refs = [], []
     start = time.perf_counter()
     starts = list(range(0, tokens.shape[0], spec.batch_size))
     for b0 in tqdm(starts, desc=f"{policy.name} b={budget}", disable=not spec.progress, unit="batch"):
         batch = tokens[b0 : b0 + spec.batch_size]
-        attention = spec.diagnostics or policy.needs_future
-        refs.append(full_reference(model, batch, attention=attention, future=policy.needs_future))
+        refs.append(reference_for(model, batch, policy, spec))
         doc = torch.arange(b0, b0 + batch.shape[0], device=tokens.device)
         outs.append(stream(model, batch, policy, budget, spec, reference=refs[-1], doc=doc))
     return Batches(starts, outs, refs, time.perf_counter() - start)
@@ -77,11 +98,12 @@ def collect_per_token(b: Batches, tokens: torch.Tensor) -> dict[str, np.ndarray]
     """The per-token arrays of every batch, joined: [N, n] (or [N, n, L]) each, plus the full cache's NLL."""
     per_token = {k: v for k in PER_TOKEN if (v := b.cat(k)) is not None}
     if "kl" in per_token:
-        full = []
+        full = np.full(per_token["nll"].shape, np.nan, dtype=np.float32)  # NaN past the reference's cap
         for r, b0 in zip(b.refs, b.starts, strict=True):
-            tgt = tokens[b0 : b0 + r.logp.shape[0], 1:, None].to(r.logp.device)
-            full.append(-r.logp.gather(-1, tgt)[..., 0])
-        per_token["nll_full"] = torch.cat(full).float().cpu().numpy()
+            B, m = r.logp.shape[:2]
+            tgt = tokens[b0 : b0 + B, 1 : m + 1, None].to(r.logp.device)
+            full[b0 : b0 + B, :m] = (-r.logp.gather(-1, tgt)[..., 0]).float().cpu().numpy()
+        per_token["nll_full"] = full
     return per_token
 
 
@@ -113,15 +135,17 @@ def summarize(model, policy, budget, spec, tokens, b: Batches, per_token) -> dic
         "token_steps_per_s": N * n / stream_s,
         "policy_time_share": sum(o.policy_seconds for o in b.outs) / max(1e-12, stream_s),
     }
-    if "kl" in per_token:
+    if "kl" in per_token:  # over the steps the full-cache reference covers
+        covered = ~np.isnan(per_token["nll_full"])
         summary |= {
-            "kl_mean": float(per_token["kl"].mean()),
-            "agreement": float(per_token["agree"].mean()),
-            "ppl_full": math.exp(float(per_token["nll_full"].mean())),
-            "delta_nll": float((per_token["nll"] - per_token["nll_full"]).mean()),
+            "full_reference_len": int(covered.sum(1).max()),
+            "kl_mean": float(np.nanmean(per_token["kl"])),
+            "agreement": float(np.nanmean(per_token["agree"])),
+            "ppl_full": math.exp(float(np.nanmean(per_token["nll_full"]))),
+            "delta_nll": float((per_token["nll"] - per_token["nll_full"])[covered].mean()),
         }
     if "lost" in per_token:
-        summary["attention_lost"] = float(per_token["lost"].mean())
+        summary["attention_lost"] = float(np.nanmean(per_token["lost"]))
     return summary
 
 
@@ -132,7 +156,7 @@ def layer_table(b: Batches, per_token: dict[str, np.ndarray]) -> pd.DataFrame:
     rows = [{"layer": l, "head": None, "metric": "budget", "value": float(x)} for l, x in enumerate(budgets)]
     for name, metric in (("lost", "attention_lost"), ("sink_mass", "sink_mass")):
         if name in per_token:
-            by_layer = per_token[name].mean(axis=(0, 1))
+            by_layer = np.nanmean(per_token[name], axis=(0, 1))
             rows += [
                 {"layer": l, "head": None, "metric": metric, "value": float(x)}
                 for l, x in enumerate(by_layer)

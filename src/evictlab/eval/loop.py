@@ -17,6 +17,7 @@ import time
 
 import torch
 import torch.nn.functional as F
+from tqdm.auto import tqdm
 
 from evictlab.cache.policies import Policy, StepContext, choose_victim
 from evictlab.eval.full import FullReference, gather_rows, token_metrics
@@ -84,12 +85,37 @@ class LostAttention:
 
     def __init__(self, ref: FullReference, groups: int, B: int, n: int, L: int, like: torch.Tensor):
         self.attn, self.groups = ref.attn, groups
-        self.values = like.new_empty(B, n, L)
+        self.covered = ref.attn[0].shape[2]  # steps the reference's attention covers (NaN after)
+        self.values = like.new_full((B, n, L), float("nan"))
 
     def observe(self, l: int, t: int, pos: torch.Tensor) -> None:
+        if t >= self.covered:
+            return
         full_row = self.attn[l][:, :, t]  # [B, H, n]
         held = gather_rows(full_row, pos.repeat_interleave(self.groups, 1)).sum(-1)  # [B, H]
         self.values[:, t, l] = 1 - held.mean(1)
+
+
+class RopeTable:
+    """cos, sin of RoPE by position, computed `chunk` positions at a time (flat memory in stream length;
+    the values equal a table over the whole stream)."""
+
+    def __init__(self, cfg, like: torch.Tensor, chunk: int = 4096):
+        self.dims, self.base, self.like, self.chunk = cfg.rope_dims, cfg.rope_base, like, chunk
+        self.start, self.cos, self.sin = -1, None, None
+
+    def _load(self, start: int) -> None:
+        pos = torch.arange(start, start + self.chunk, device=self.like.device)
+        cos, sin = rope_angles(pos, self.dims, self.base)
+        self.start, self.cos, self.sin = start, cos.to(self.like.dtype), sin.to(self.like.dtype)
+
+    def at(self, pos: int | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows for one position or a tensor of positions (all within one chunk: ranks of a cache)."""
+        lo, top = (pos, pos) if isinstance(pos, int) else (int(pos.min()), int(pos.max()))
+        if self.cos is None or not (self.start <= lo and top < self.start + self.chunk):
+            self._load(lo - lo % self.chunk)
+        i = pos - self.start
+        return self.cos[i], self.sin[i]
 
 
 class TokenLoop:
@@ -115,10 +141,8 @@ class TokenLoop:
             state = policy.init_state(B, cfg.kv_heads, S, like)
             self.caches.append(LayerCache(B, cfg.kv_heads, S, cfg.head_dim, like, state))
         rope = cfg.pos_emb is PosEmb.rope
-        self.cos = self.sin = None
-        if rope:
-            cos, sin = rope_angles(torch.arange(n, device=doc.device), cfg.rope_dims, cfg.rope_base)
-            self.cos, self.sin = cos.to(like.dtype), sin.to(like.dtype)
+        slots = max(min(b + 1, n) for b in budgets)  # cache-mode ranks 0 .. slots-1 fit in one chunk
+        self.like, self.rope = like, RopeTable(cfg, like, chunk=max(4096, slots)) if rope else None
         self.rotate_on_write = rope and mode is PositionMode.original  # keys stored at their text phase
         self.reindex = rope and mode is PositionMode.cache  # keys stored unrotated, re-indexed per step
         self.lost = None
@@ -140,16 +164,17 @@ class TokenLoop:
         q, k, v = a.project(h)  # [B, H, 1, D], [B, Hkv, 1, D] x2
         init = self.policy.entry_state(k) if cache.state else {}
         if self.rotate_on_write:
-            q, k = rotate(q, self.cos[t], self.sin[t]), rotate(k, self.cos[t], self.sin[t])
+            cos, sin = self.rope.at(t)
+            q, k = rotate(q, cos, sin), rotate(k, cos, sin)
         cache.write(k, v, t, init)
         K, V, P = cache.held()
         if self.reindex:  # ranks 0..m-1 inside the cache, the query last
             r = ranks(P[0, 0]) if self.policy.position_only else ranks(P)  # one layout, or per doc/head
-            K = rotate(K, self.cos[r], self.sin[r])
-            q = rotate(q, self.cos[cache.count - 1], self.sin[cache.count - 1])
+            K = rotate(K, *self.rope.at(r))
+            q = rotate(q, *self.rope.at(cache.count - 1))
         y, row = self.attention(a, q, K, V, P >= 0)
         if self.lost is not None:
-            self.lost.observe(l, t, P)
+            self.lost.observe(l, t, P)  # (only the steps the reference covers)
         self.evict(l, cache, P, row)
         self.occupancy[t, l] = cache.count
         return a.out(y)
@@ -208,20 +233,24 @@ def stream_loop(
     ref: FullReference | None,
     doc: torch.Tensor,
     generate_from: int | None = None,
+    progress: bool = False,
 ):
     """Stream tokens [B, T] through the token loop -> (per-token metrics [B, n] by name, the loop).
+    Metrics against the full cache are NaN past the steps its reference covers.
     With `generate_from=P`, tokens from position P on are generated greedily (each step's argmax is the
     next step's input) instead of read, and `tokens` is returned with them filled in."""
     tokens = tokens.clone() if generate_from is not None else tokens
     inp, tgt = tokens[:, :-1], tokens[:, 1:]  # views: generated tokens become the next inputs
     B, n = inp.shape
     loop = TokenLoop(model, policy, budgets, mode, B, n, doc, ref)
-    per_token: dict[str, torch.Tensor] = {}
-    for t in range(n):
+    covered = 0 if ref is None else ref.logp.shape[1]  # steps the full-cache reference covers
+    names = ["nll", "correct"] + (["kl", "agree"] if ref is not None else [])
+    per_token = {name: loop.like.new_full((B, n), float("nan")) for name in names}
+    for t in tqdm(range(n), desc=f"{policy.name} stream", unit="tok", disable=not progress, mininterval=2):
         logp = loop.decode_one_token(inp[:, t : t + 1], t)
         if generate_from is not None and t + 1 >= generate_from:
             tokens[:, t + 1] = logp.argmax(-1)
-        step = token_metrics(logp, tgt[:, t], None if ref is None else ref.logp[:, t])
+        step = token_metrics(logp, tgt[:, t], ref.logp[:, t] if t < covered else None)
         for name, value in step.items():
-            per_token.setdefault(name, logp.new_empty(B, n))[:, t] = value
+            per_token[name][:, t] = value
     return per_token, loop, tokens

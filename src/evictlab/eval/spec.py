@@ -27,13 +27,16 @@ class StreamSpec:
     batch_size: int = 16  # documents streamed together
     diagnostics: bool = True  # attention lost / sink mass (needs the full-cache attention matrices)
     force_loop: bool = False  # never take the parallel path (the token loop is the cross-check)
-    progress: bool = False  # a progress bar over the batches
+    progress: bool = False  # a progress bar over the batches (and over long streams)
+    block: int = 2048  # queries per block on the static paths (memory O(block x (block + budget)))
+    full_max_len: int = 4096  # the full-cache reference covers at most this many predictions per stream
 
     def __post_init__(self) -> None:  # accept the enums' string values too
         object.__setattr__(self, "position_mode", PositionMode(self.position_mode))
         object.__setattr__(self, "allocation", Allocation(self.allocation))
-        if self.batch_size < 1:
-            raise ConfigError(f"eval.batch_size={self.batch_size} must be >= 1")
+        for key in ("batch_size", "block", "full_max_len"):
+            if isinstance(getattr(self, key), bool) or getattr(self, key) < 1:
+                raise ConfigError(f"eval.{key}={getattr(self, key)} must be >= 1")
 
 
 def check_positions(model: GPTConfig, mode: PositionMode | str, stream_len: int | None = None) -> None:

@@ -98,11 +98,20 @@ class Policy:
             "non_causal": cls.needs_future,
         }
 
-    # ---- the parallel path (position-static policies only) ----------------------------------------
-    def static_keep(self, n: int, budget: int, device: torch.device) -> torch.Tensor | None:
-        """For policies whose kept set depends only on positions: [n, n] bool, True where query i
-        attends to key j (itself included). None = not position-static (use the token loop)."""
+    # ---- the static path (position-static policies only) ------------------------------------------
+    def static_window(self, budget: int) -> tuple[int, int | None] | None:
+        """For policies whose kept set depends only on positions: (n_sink, recent), meaning query i
+        attends to keys j <= i with j < n_sink or j >= i - recent (recent None: every earlier key).
+        None = not position-static (use the token loop)."""
         return None
+
+    def static_keep(self, n: int, budget: int, device: torch.device) -> torch.Tensor | None:
+        """The static window as an [n, n] bool mask (True where query i attends to key j)."""
+        window = self.static_window(budget)
+        if window is None:
+            return None
+        n_sink, recent = window
+        return recent_keep(n, n if recent is None else recent, device, n_sink=n_sink)
 
     # ---- the token loop ------------------------------------------------------------------------------
     def init_state(self, B: int, Hkv: int, S: int, like: torch.Tensor) -> dict[str, torch.Tensor]:

@@ -4,7 +4,7 @@ from typing import ClassVar
 import torch
 
 from evictlab.cache.policies import register
-from evictlab.cache.policies.base import Policy, StepContext, recent_keep
+from evictlab.cache.policies.base import Policy, StepContext
 
 
 @register
@@ -18,8 +18,8 @@ class Full(Policy):
     position_only: ClassVar[bool] = True
     evicts: ClassVar[bool] = False
 
-    def static_keep(self, n: int, budget: int, device: torch.device) -> torch.Tensor:
-        return recent_keep(n, n, device)
+    def static_window(self, budget: int) -> tuple[int, None]:
+        return 0, None
 
     def scores(self, ctx: StepContext) -> torch.Tensor:
         raise RuntimeError("the full cache never evicts")

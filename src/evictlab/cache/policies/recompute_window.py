@@ -1,10 +1,8 @@
 from dataclasses import dataclass
 from typing import ClassVar
 
-import torch
-
 from evictlab.cache.policies import register
-from evictlab.cache.policies.base import Policy, StepContext, recent_keep
+from evictlab.cache.policies.base import Policy, StepContext
 
 
 @register
@@ -20,9 +18,9 @@ class RecomputeWindow(Policy):
     order: ClassVar[int] = 3
     recompute: ClassVar[bool] = True
 
-    def static_keep(self, n: int, budget: int, device: torch.device) -> torch.Tensor:
+    def static_window(self, budget: int) -> tuple[int, int]:
         """The tokens each re-encoded window holds (for the attention-lost diagnostic)."""
-        return recent_keep(n, budget, device)
+        return 0, budget
 
     def scores(self, ctx: StepContext):
         raise RuntimeError("recompute_window has no cache to evict from")

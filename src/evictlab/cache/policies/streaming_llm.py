@@ -4,7 +4,7 @@ from typing import ClassVar
 import torch
 
 from evictlab.cache.policies import register
-from evictlab.cache.policies.base import Policy, StepContext, protect, recent_keep
+from evictlab.cache.policies.base import Policy, StepContext, protect
 from evictlab.errors import ConfigError
 
 
@@ -35,8 +35,8 @@ class StreamingLLM(Policy):
             )
         super().validate(budget)
 
-    def static_keep(self, n: int, budget: int, device: torch.device) -> torch.Tensor:
-        return recent_keep(n, budget - self.n_sink, device, n_sink=self.n_sink)
+    def static_window(self, budget: int) -> tuple[int, int]:
+        return self.n_sink, budget - self.n_sink
 
     def scores(self, ctx: StepContext) -> torch.Tensor:
         return protect(ctx.pos.to(ctx.keys.dtype), ctx, n_sink=self.n_sink)

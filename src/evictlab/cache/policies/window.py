@@ -4,7 +4,7 @@ from typing import ClassVar
 import torch
 
 from evictlab.cache.policies import register
-from evictlab.cache.policies.base import Policy, StepContext, recent_keep
+from evictlab.cache.policies.base import Policy, StepContext
 
 
 @register
@@ -17,8 +17,8 @@ class Window(Policy):
     shift_invariant: ClassVar[bool] = True
     position_only: ClassVar[bool] = True
 
-    def static_keep(self, n: int, budget: int, device: torch.device) -> torch.Tensor:
-        return recent_keep(n, budget, device)
+    def static_window(self, budget: int) -> tuple[int, int]:
+        return 0, budget
 
     def scores(self, ctx: StepContext) -> torch.Tensor:
         return ctx.pos.to(ctx.keys.dtype)

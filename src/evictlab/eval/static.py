@@ -1,0 +1,174 @@
+"""The static paths: policies whose kept set depends only on positions, and the re-computation baseline.
+
+A position-static policy keeps, for query i, the keys j <= i with j < n_sink or j >= i - recent
+(`Policy.static_window`). The stream runs in blocks of `spec.block` queries; each layer keeps only the
+keys a later block can still reach (the sinks and the last `recent` positions; every key for the full
+cache), so a block's attention is O(block x (block + budget)) and memory stays flat in stream length
+for bounded policies (O(T) keys for the full cache, O(T^2) compute, as it must be). A stream no longer
+than one block is one forward with a keep mask, exactly as before.
+
+`Recorder` turns each block's logits into per-token metrics at once, so no [B, T, V] tensor is held.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from evictlab.eval.full import FullReference, token_metrics
+from evictlab.eval.spec import PositionMode
+from evictlab.models.gpt import GPT, CausalSelfAttention
+
+
+class BandCache:
+    """One layer's keys and values that later queries can still reach: positions < n_sink and the last
+    `recent` positions (all of them when recent is None). Keys are stored rotated at their positions."""
+
+    def __init__(self, n_sink: int, recent: int | None):
+        self.n_sink, self.recent = n_sink, recent
+        self.k = self.v = self.pos = None
+
+    def extend(self, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor):
+        """The held keys followed by a block's own: k, v [B, Hkv, m, D], positions [m]."""
+        if self.k is None:
+            return k, v, pos
+        return torch.cat([self.k, k], 2), torch.cat([self.v, v], 2), torch.cat([self.pos, pos])
+
+    def keep(self, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, next_start: int) -> None:
+        """Hold what queries from position next_start on can reach."""
+        if self.recent is None:
+            self.k, self.v, self.pos = k, v, pos
+            return
+        reach = (pos < self.n_sink) | (pos >= next_start - self.recent)
+        self.k, self.v, self.pos = k[:, :, reach], v[:, :, reach], pos[reach]
+
+    def visible(self, qpos: torch.Tensor, kpos: torch.Tensor) -> torch.Tensor:
+        """[b, m] bool: query at qpos[i] attends to the key at kpos[j]."""
+        causal = kpos[None, :] <= qpos[:, None]
+        if self.recent is None:
+            return causal
+        return causal & ((kpos[None, :] < self.n_sink) | (kpos[None, :] >= qpos[:, None] - self.recent))
+
+
+class _BandAttention:
+    """Each layer's attention for one block of queries over what its BandCache holds plus the block."""
+
+    def __init__(self, caches: list[BandCache]):
+        self.caches, self.pos, self.next_start = caches, None, 0
+
+    def __call__(self, l: int, a: CausalSelfAttention, h: torch.Tensor) -> torch.Tensor:
+        cache = self.caches[l]
+        q, k, v = a.project(h)
+        q, k = a.rotate(q, self.pos), a.rotate(k, self.pos)
+        K, V, P = cache.extend(k, v, self.pos)
+        y = a.attend(q, K, V, mask=cache.visible(self.pos, P))
+        cache.keep(K, V, P, self.next_start)
+        return a.out(y)
+
+
+class Recorder:
+    """Per-token metrics of a static path, block by block: nll and correct for every position, KL and
+    agreement where the full-cache reference covers it (NaN beyond), attention lost where its attention
+    does."""
+
+    def __init__(self, tgt: torch.Tensor, windows: list[tuple[int, int | None]], ref: FullReference | None):
+        self.tgt, self.windows, self.ref = tgt, windows, ref
+        self.covered = 0 if ref is None else ref.logp.shape[1]  # the reference covers steps < covered
+        self.out: dict[str, torch.Tensor] = {}
+
+    def _write(self, name: str, s: int, value: torch.Tensor) -> None:
+        if name not in self.out:  # NaN where a block never writes (beyond the reference)
+            shape = (*self.tgt.shape, *value.shape[2:])
+            self.out[name] = value.new_full(shape, float("nan"))
+        self.out[name][:, s : s + value.shape[1]] = value
+
+    def add(self, s: int, logits: torch.Tensor) -> None:
+        """Record the block of predictions for steps s .. s + logits.shape[1] - 1."""
+        logp = F.log_softmax(logits, dim=-1)
+        e = s + logp.shape[1]
+        for name, value in token_metrics(logp, self.tgt[:, s:e], None).items():
+            self._write(name, s, value)
+        if self.ref is None or s >= self.covered:
+            return
+        c = min(e, self.covered)
+        m = token_metrics(logp[:, : c - s], self.tgt[:, s:c], self.ref.logp[:, s:c])
+        self._write("kl", s, m["kl"])
+        self._write("agree", s, m["agree"])
+        if self.ref.attn is not None:
+            self._write("lost", s, self.lost(s, c))
+
+    def lost(self, s: int, c: int) -> torch.Tensor:
+        """[B, c-s, L]: the full-cache attention of steps s .. c-1 on keys outside each layer's window."""
+        qpos, kpos = torch.arange(s, c, device=self.tgt.device), torch.arange(c, device=self.tgt.device)
+        out = []
+        for attn, window in zip(self.ref.attn, self.windows, strict=True):
+            keep = BandCache(*window).visible(qpos, kpos)
+            out.append(1 - (attn[:, :, s:c, :c] * keep).sum(-1).mean(1))
+        return torch.stack(out, -1)
+
+
+@torch.no_grad()
+def stream_static(model: GPT, tokens: torch.Tensor, windows: list[tuple[int, int | None]], ref, block: int):
+    """Stream tokens [B, T] under per-layer static windows, `block` queries at a time -> metrics by name."""
+    inp, tgt = tokens[:, :-1], tokens[:, 1:]
+    n = inp.shape[1]
+    rec = Recorder(tgt, windows, ref)
+    attend = _BandAttention([BandCache(*w) for w in windows])
+    for s in range(0, n, block):
+        e = min(n, s + block)
+        attend.pos, attend.next_start = torch.arange(s, e, device=tokens.device), e
+        rec.add(s, model.forward_with(inp[:, s:e], attend.pos, attend))
+    return rec.out
+
+
+def recompute_windows(inp: torch.Tensor, W: int, mode: PositionMode, first: int, last: int):
+    """The windows of steps t = first .. last-1 (t >= W) of inp [B, n]: tokens [B * (last-first), W] (step t
+    sees t-W+1 .. t) and their positions: 0 .. W-1 (re-encoded from 0, `cache`) or the text positions."""
+    B = inp.shape[0]
+    rows = inp[:, first - W + 1 : last].unfold(1, W, 1).reshape(-1, W)
+    k = torch.arange(W, device=inp.device)
+    if mode is PositionMode.cache:
+        return rows, k
+    starts = torch.arange(first - W + 1, last - W + 1, device=inp.device).repeat(B)
+    return rows, starts[:, None] + k
+
+
+@torch.no_grad()
+def stream_recompute(model: GPT, tokens: torch.Tensor, W: int, mode: PositionMode, ref, block: int,
+                     chunk_tokens: int = 2048):  # fmt: skip
+    """Window of the last W = budget + 1 tokens, re-encoded for every prediction.
+
+    While t < W the window is the whole prefix 0..t at positions 0..t in both modes, i.e. the full
+    cache: one causal forward covers those steps. Every later step is a full window of W tokens; they
+    run as batched causal forwards (no padding, so the fused causal kernel applies) of about
+    `chunk_tokens` tokens (larger ones fall out of the CPU caches), `block` steps at a time.
+    """
+    inp, tgt = tokens[:, :-1], tokens[:, 1:]
+    B, n = inp.shape
+    rec = Recorder(tgt, [(0, W - 1)] * model.cfg.n_layer, ref)
+    rec.add(0, model(inp[:, : min(W, n)]))  # steps 0 .. W-1: the window is the prefix
+    rows_per_chunk = max(1, chunk_tokens // W)
+    for s in range(W, n, block):
+        e = min(n, s + block)
+        rows, pos = recompute_windows(inp, W, mode, s, e)
+        parts = []
+        for r in range(0, rows.shape[0], rows_per_chunk):
+            p = pos if pos.dim() == 1 else pos[r : r + rows_per_chunk]
+            parts.append(model.forward_with(rows[r : r + rows_per_chunk], p, last_only=True))
+        rec.add(s, torch.cat(parts).view(B, e - s, -1))
+    return rec.out
+
+
+@torch.no_grad()
+def full_logp(model: GPT, tokens: torch.Tensor, block: int) -> torch.Tensor:
+    """[B, T-1, V] log-probs of the full cache, `block` queries at a time over a growing KV cache: no
+    [T, T] attention matrix is ever built (compute O(T^2), memory O(T))."""
+    inp = tokens[:, :-1]
+    n = inp.shape[1]
+    attend = _BandAttention([BandCache(0, None) for _ in range(model.cfg.n_layer)])
+    parts = []
+    for s in range(0, n, block):
+        e = min(n, s + block)
+        attend.pos, attend.next_start = torch.arange(s, e, device=tokens.device), e
+        parts.append(F.log_softmax(model.forward_with(inp[:, s:e], attend.pos, attend), dim=-1))
+    return torch.cat(parts, dim=1)
