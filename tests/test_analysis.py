@@ -178,7 +178,7 @@ def test_figure_functions(name, make, xlabel, ylabel, tmp_path: Path):
     assert ax.has_data()
     legend_texts = [t.get_text() for a in fig.axes if a.get_legend() for t in a.get_legend().get_texts()]
     if name in ("ppl_vs_budget", "kl_vs_budget"):
-        assert "full cache" in legend_texts and "oracle (non-causal)" in legend_texts
+        assert "full cache" in legend_texts and POLICIES["oracle"].label in legend_texts
     for ext in ("png", "pdf"):
         fig.savefig(tmp_path / f"{name}.{ext}")
         assert (tmp_path / f"{name}.{ext}").stat().st_size > 1000
@@ -193,7 +193,9 @@ def test_policy_order_labels_and_colours_come_from_the_tables():
     P = F.Policies(pd.concat([frame, unknown], ignore_index=True))
     assert P.ordered()[:3] == ["full", "window", "streaming_llm"] and P.ordered()[-1] == "zzz"
     assert P.ordered() == sorted(P.order, key=lambda n: (POLICIES[n].order if n in POLICIES else 100, n))
-    assert P.label("oracle") == "oracle (non-causal)" and P.label("zzz") == "Z" and P.references == {"full"}
+    assert (
+        P.label("oracle") == POLICIES["oracle"].label and P.label("zzz") == "Z" and P.references == {"full"}
+    )
     colours = [tuple(P.color(n)) for n in POLICIES]
     assert len(set(colours)) == len(POLICIES) and P.color("zzz") == "0.3"
 
@@ -261,7 +263,39 @@ def test_recall_heatmaps_wrap_and_mark_policies_that_cannot_generate():
     more = [rec.assign(strategy=s) for s in ("tova", "scissorhands", "random")]
     fig = F.recall_heatmaps(with_facts(pd.concat([rec, oracle, *more], ignore_index=True)))
     titles = [a.get_title() for a in fig.axes if a.get_title()]
-    assert len(titles) == 7 and titles[-1] == "oracle (non-causal)"  # 7 panels over 2 rows of 5
-    oracle_ax = next(a for a in fig.axes if a.get_title() == "oracle (non-causal)")
+    oracle = POLICIES["oracle"].label
+    assert len(titles) == 7 and titles[-1] == oracle  # 7 panels over 2 rows of 5
+    oracle_ax = next(a for a in fig.axes if a.get_title() == oracle)
     assert "cannot generate" in oracle_ax.texts[0].get_text()
     plt.close(fig)
+
+
+def test_cost_vs_budget_is_the_paired_ratio_and_gives_outliers_their_own_panel():
+    import matplotlib.pyplot as plt
+
+    rows = []
+    for name, gap in (("window", 0.1), ("h2o", 0.05), ("l2norm", 2.0)):
+        for b in (16, 64):
+            for stream in range(6):
+                full = 1.0 + 0.1 * stream  # streams differ in difficulty; the paired ratio does not see it
+                rows.append({"strategy": name, "budget": b, "position_mode": "original", "seed": 0,
+                             "stream": stream, "nll": full + gap * 16 / b, "nll_full": full})  # fmt: skip
+    streams = with_facts(pd.DataFrame(rows))
+    fig = F.cost_vs_budget(streams)
+    assert len(fig.axes) == 2 and [a.get_title() for a in fig.axes] == [
+        "within 2x of the full cache",
+        "beyond 2x",
+    ]
+    near = {
+        ln.get_label(): ln.get_ydata().tolist()
+        for ln in fig.axes[0].get_lines()
+        if ln.get_label() != "full cache"
+    }
+    assert near["window"] == pytest.approx(
+        [np.exp(0.1), np.exp(0.025)]
+    )  # exact: every stream has the same gap
+    assert set(near) == {"window", "h2o"} and "l2norm" in [ln.get_label() for ln in fig.axes[1].get_lines()]
+    plt.close(fig)
+    one = F.cost_vs_budget(streams[streams["strategy"] != "l2norm"])
+    assert len(one.axes) == 1
+    plt.close(one)

@@ -11,7 +11,7 @@ import torch
 
 from evictlab.cache import POLICIES, make_policy
 from evictlab.errors import ConfigError
-from evictlab.eval import StreamSpec
+from evictlab.eval import StreamSpec, reference_stream, stream
 from evictlab.eval.engine import generate
 from evictlab.eval.evaluate import greedy_divergence
 from evictlab.models.gpt import GPT, GPTConfig
@@ -86,3 +86,26 @@ def test_run_records_generations(tmp_path: Path):
         tmp_path / "outputs", "strategy=oracle", "budget=b16", "logger=none", "eval.generate_tokens=8"
     )
     assert "gen_agreement" not in run_mod.run(oracle)  # non-causal: no generation
+
+
+def test_recompute_window_re_encodes_from_position_zero_in_both_modes():
+    """One definition: every window at positions 0 .. budget, so a model with a learned position table
+    of 16 streams 40 tokens and the engine equals a window-by-window computation; with RoPE both
+    position modes agree."""
+    torch.manual_seed(0)
+    policy, budget = make_policy("recompute_window"), 8
+    tokens = torch.randint(0, 30, (2, 40))
+    rope = GPT(GPTConfig(name="t", vocab_size=30, n_layer=2, n_head=2, n_embd=16)).double().eval()
+    a = stream(rope, tokens, policy, budget, StreamSpec(position_mode="original", block=7))
+    b = stream(rope, tokens, policy, budget, StreamSpec(position_mode="cache"))
+    torch.testing.assert_close(a.nll, b.nll, rtol=0, atol=1e-12)
+    cfg = GPTConfig(name="t", vocab_size=30, n_layer=2, n_head=2, n_embd=16, pos_emb="learned", block_size=16)
+    model = GPT(cfg).double().eval()
+    a = stream(model, tokens, policy, budget, StreamSpec(position_mode="original", block=7))
+    t = 30  # the window of step 30 is tokens 22 .. 30 at positions 0 .. 8
+    logits = model.forward_with(tokens[:, t - budget : t + 1], torch.arange(budget + 1))[:, -1]
+    expected = -torch.log_softmax(logits, -1).gather(-1, tokens[:, t + 1 : t + 2])[:, 0]
+    torch.testing.assert_close(a.nll[:, t], expected, rtol=0, atol=1e-12)
+    nll, _ = reference_stream(model, tokens[0], policy, budget, StreamSpec(position_mode="original"))
+    torch.testing.assert_close(nll, a.nll[0], rtol=0, atol=1e-10)
+    assert generate(model, tokens[:, :20], policy, budget, 25).shape == (2, 25)  # past the table too

@@ -163,6 +163,38 @@ def agreement_vs_budget(streams: pd.DataFrame, mode: str = "original") -> Figure
     return metric_vs_budget(streams, "agree", "top-1 agreement with the full cache", mode=mode)
 
 
+def cost_vs_budget(streams: pd.DataFrame, mode: str = "original", outlier: float = 2.0) -> Figure:
+    """What each policy costs relative to the full cache: exp(mean over streams of NLL - full-cache NLL),
+    with a paired 95% bootstrap CI over (seed, stream) units, against the budget (log axes). Policies
+    whose cost exceeds `outlier` x at some budget get their own panel, so one far-off policy does not
+    squash the others into one band."""
+    theme()
+    P = Policies(streams)
+    s = evicting(streams[streams["position_mode"] == mode]).assign(delta=lambda d: d["nll"] - d["nll_full"])
+    r = summarize_streams(s, "delta", np.exp)
+    worst = r.groupby("strategy")["point"].max()
+    groups = [[n for n in P.ordered(r["strategy"]) if (worst[n] > outlier) == far] for far in (False, True)]
+    groups = [g for g in groups if g]
+    fig, axes = plt.subplots(1, len(groups), figsize=(6.0 * len(groups), 4.2), squeeze=False)
+    for ax, names in zip(axes[0], groups, strict=True):
+        for name in names:
+            g = r[r["strategy"] == name].sort_values("budget")
+            ax.plot(g["budget"], g["point"], marker="o", ms=4, color=P.color(name), label=P.label(name))
+            ax.fill_between(g["budget"], g["low"], g["high"], color=P.color(name), alpha=0.15)
+        ax.axhline(1.0, color="k", lw=0.8, ls="--", label="full cache")
+        _budget_axis(ax, r["budget"])
+        _log_y(ax)
+        ax.set_xlabel("KV budget (entries per layer)")
+        ax.set_ylabel("perplexity / full-cache perplexity")
+        ax.legend(fontsize=8, ncol=2)
+    if len(groups) > 1:
+        axes[0][0].set_title(f"within {outlier:g}x of the full cache")
+        axes[0][1].set_title(f"beyond {outlier:g}x")
+    fig.suptitle(f"Cost of eviction relative to the full cache ({mode} positions, paired 95% CI)")
+    fig.tight_layout()
+    return fig
+
+
 def nll_vs_position(
     curves: pd.DataFrame, budget: int, mode: str = "original", context: int | None = None
 ) -> Figure:
@@ -595,6 +627,10 @@ def _kl(t: Tables) -> bool:
     return "kl" in t["streams"]
 
 
+def _paired(t: Tables) -> bool:
+    return "nll_full" in t["streams"] and not evicting(t["streams"]).empty
+
+
 def _two_modes(t: Tables) -> bool:
     return {"original", "cache"} <= set(t["streams"]["position_mode"])
 
@@ -617,6 +653,7 @@ def _variant_trend(t: Tables) -> bool:
 
 FIGURES: dict[str, FigureSpec] = {
     "ppl_vs_budget": FigureSpec(_on("streams", ppl_vs_budget), _has("streams"), _mode_arg),
+    "cost_vs_budget": FigureSpec(_on("streams", cost_vs_budget), _paired, _mode_arg),
     "kl_vs_budget": FigureSpec(_on("streams", kl_vs_budget), _kl, _mode_arg),
     "agreement_vs_budget": FigureSpec(_on("streams", agreement_vs_budget), _kl, _mode_arg),
     "nll_vs_position": FigureSpec(_on("curves", nll_vs_position), _evicting_budgets, _middle_budget),

@@ -101,7 +101,7 @@ def stream(
     if policy.recompute:
         if len(set(budgets)) != 1:
             raise ConfigError(f"{policy.name} re-encodes one window for all layers: use allocation=uniform")
-        per_token = stream_recompute(model, tokens, budgets[0] + 1, spec.position_mode, reference, spec.block)
+        per_token = stream_recompute(model, tokens, budgets[0] + 1, reference, spec.block)
         out = _static_output(per_token, tokens, budgets, "recompute")
     elif parallel_ok(policy, spec.position_mode) and not spec.force_loop:
         out = _static_output(
@@ -118,14 +118,13 @@ def stream(
 
 
 @torch.no_grad()
-def _generate_recompute(model: GPT, prompt: torch.Tensor, W: int, n_new: int, mode: PositionMode):
-    """Greedy continuation without a cache: a fresh forward over the last W tokens for each new token."""
+def _generate_recompute(model: GPT, prompt: torch.Tensor, W: int, n_new: int):
+    """Greedy continuation without a cache: a fresh forward over the last W tokens (at positions 0 ..)
+    for each new token."""
     seq = prompt
     for _ in range(n_new):
         lo = max(0, seq.shape[1] - W)
-        pos = torch.arange(seq.shape[1] - lo, device=seq.device) + (
-            lo if mode is PositionMode.original else 0
-        )
+        pos = torch.arange(seq.shape[1] - lo, device=seq.device)
         logits = model.forward_with(seq[:, lo:], pos, last_only=True)
         seq = torch.cat([seq, logits.argmax(-1, keepdim=True)], dim=1)
     return seq[:, prompt.shape[1] :]
@@ -154,7 +153,7 @@ def generate(
     budgets = budgets_for(model.cfg.n_layer, policy, budget, spec.allocation, tokens.shape[1] - 1)
     model.eval()
     if policy.recompute:
-        return _generate_recompute(model, prompt, budgets[0] + 1, n_new, spec.position_mode)
+        return _generate_recompute(model, prompt, budgets[0] + 1, n_new)
     doc = doc if doc is not None else torch.arange(B, device=prompt.device)
     _, _, filled = stream_loop(model, tokens, policy, budgets, spec.position_mode, None, doc, generate_from=P)
     return filled[:, P:]

@@ -110,7 +110,7 @@ def reference_stream(
     n = tokens.shape[0] - 1
     budgets = budgets_for(model.cfg.n_layer, policy, budget, spec.allocation, n)
     if policy.recompute:
-        return _reference_recompute(model, tokens, budgets[0], spec.position_mode), []
+        return _reference_recompute(model, tokens, budgets[0]), []
     step = _ReferenceStep(model, policy, budgets, spec.position_mode, reference, doc, row)
     nll = []
     for t in range(n):
@@ -120,13 +120,13 @@ def reference_stream(
     return torch.stack(nll), [c.pos for c in step.caches if c.pos is not None]
 
 
-def _reference_recompute(model: GPT, tokens: torch.Tensor, budget: int, mode: PositionMode) -> torch.Tensor:
-    """Sliding window with re-computation, one window at a time."""
+def _reference_recompute(model: GPT, tokens: torch.Tensor, budget: int) -> torch.Tensor:
+    """Sliding window with re-computation, one window at a time, re-encoded from position 0."""
     nll = []
     for t in range(tokens.shape[0] - 1):
         lo = max(0, t - budget)
         win = tokens[None, lo : t + 1]
-        pos = torch.arange(win.shape[1]) + (lo if mode is PositionMode.original else 0)
+        pos = torch.arange(win.shape[1])
         logp = F.log_softmax(model.forward_with(win, pos)[0, -1], dim=-1)
         nll.append(-logp[tokens[t + 1]])
     return torch.stack(nll)

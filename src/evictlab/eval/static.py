@@ -16,7 +16,6 @@ import torch
 import torch.nn.functional as F
 
 from evictlab.eval.full import FullReference, token_metrics
-from evictlab.eval.spec import PositionMode
 from evictlab.models.gpt import GPT, CausalSelfAttention
 
 
@@ -121,27 +120,22 @@ def stream_static(model: GPT, tokens: torch.Tensor, windows: list[tuple[int, int
     return rec.out
 
 
-def recompute_windows(inp: torch.Tensor, W: int, mode: PositionMode, first: int, last: int):
-    """The windows of steps t = first .. last-1 (t >= W) of inp [B, n]: tokens [B * (last-first), W] (step t
-    sees t-W+1 .. t) and their positions: 0 .. W-1 (re-encoded from 0, `cache`) or the text positions."""
-    B = inp.shape[0]
-    rows = inp[:, first - W + 1 : last].unfold(1, W, 1).reshape(-1, W)
-    k = torch.arange(W, device=inp.device)
-    if mode is PositionMode.cache:
-        return rows, k
-    starts = torch.arange(first - W + 1, last - W + 1, device=inp.device).repeat(B)
-    return rows, starts[:, None] + k
+def recompute_windows(inp: torch.Tensor, W: int, first: int, last: int) -> torch.Tensor:
+    """The windows of steps t = first .. last-1 (t >= W) of inp [B, n]: tokens [B * (last-first), W], step t
+    seeing tokens t-W+1 .. t."""
+    return inp[:, first - W + 1 : last].unfold(1, W, 1).reshape(-1, W)
 
 
 @torch.no_grad()
-def stream_recompute(model: GPT, tokens: torch.Tensor, W: int, mode: PositionMode, ref, block: int,
-                     chunk_tokens: int = 2048):  # fmt: skip
-    """Window of the last W = budget + 1 tokens, re-encoded for every prediction.
+def stream_recompute(model: GPT, tokens: torch.Tensor, W: int, ref, block: int, chunk_tokens: int = 2048):
+    """Window of the last W = budget + 1 tokens, re-encoded at positions 0 .. W-1 for every prediction (the
+    StreamingLLM paper's baseline, in both position modes: RoPE scores depend only on distances, and
+    learned absolute positions never run past the window).
 
-    While t < W the window is the whole prefix 0..t at positions 0..t in both modes, i.e. the full
-    cache: one causal forward covers those steps. Every later step is a full window of W tokens; they
-    run as batched causal forwards (no padding, so the fused causal kernel applies) of about
-    `chunk_tokens` tokens (larger ones fall out of the CPU caches), `block` steps at a time.
+    While t < W the window is the whole prefix 0..t at positions 0..t, i.e. the full cache: one causal
+    forward covers those steps. Every later step is a full window of W tokens; they run as batched
+    causal forwards (no padding, so the fused causal kernel applies) of about `chunk_tokens` tokens
+    (larger ones fall out of the CPU caches), `block` steps at a time.
     """
     inp, tgt = tokens[:, :-1], tokens[:, 1:]
     B, n = inp.shape
@@ -150,11 +144,10 @@ def stream_recompute(model: GPT, tokens: torch.Tensor, W: int, mode: PositionMod
     rows_per_chunk = max(1, chunk_tokens // W)
     for s in range(W, n, block):
         e = min(n, s + block)
-        rows, pos = recompute_windows(inp, W, mode, s, e)
+        rows, pos = recompute_windows(inp, W, s, e), torch.arange(W, device=tokens.device)
         parts = []
         for r in range(0, rows.shape[0], rows_per_chunk):
-            p = pos if pos.dim() == 1 else pos[r : r + rows_per_chunk]
-            parts.append(model.forward_with(rows[r : r + rows_per_chunk], p, last_only=True))
+            parts.append(model.forward_with(rows[r : r + rows_per_chunk], pos, last_only=True))
         rec.add(s, torch.cat(parts).view(B, e - s, -1))
     return rec.out
 

@@ -9,9 +9,10 @@ from evictlab.cache.policies.base import Policy, StepContext
 @dataclass
 class RecomputeWindow(Policy):
     """Sliding window with re-computation (the StreamingLLM paper's baseline): each token is predicted
-    by a fresh forward over the last `budget` tokens plus itself, at positions 0 .. budget in `cache`
-    mode and at their text positions in `original` mode. No KV cache survives between steps; the cost
-    is O(budget) forward tokens per predicted token."""
+    by a fresh forward over the last `budget` tokens plus itself, re-encoded at positions 0 .. budget in
+    both position modes (with RoPE the text positions would give the same scores up to rounding; with
+    learned absolute positions they would run past the table). No KV cache survives between steps; the
+    cost is O(budget) forward tokens per predicted token."""
 
     name: ClassVar[str] = "recompute_window"
     label: ClassVar[str] = "window+recompute"
