@@ -19,6 +19,14 @@ def make_cfg(outputs: Path, *overrides: str) -> Config:
     return to_objects(compose([*TINY, f"paths.outputs={outputs}", *overrides]))
 
 
+@pytest.fixture(autouse=True)
+def close_figures():
+    """Every figure a test draws is closed after it (matplotlib warns past 20 open figures)."""
+    yield
+    if "matplotlib.pyplot" in sys.modules:
+        sys.modules["matplotlib.pyplot"].close("all")
+
+
 @pytest.fixture
 def outputs(tmp_path: Path) -> Path:
     return tmp_path / "outputs"

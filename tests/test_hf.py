@@ -80,8 +80,8 @@ def test_streaming_full_cache_matches_transformers_decoding(saved):
     nll, past = [], None
     with torch.no_grad():
         for t in range(tokens.shape[1] - 1):
-            res = hf(tokens[:, t : t + 1], past_key_values=past, use_cache=True)
-            past = res.past_key_values
+            res = hf(tokens[:, t : t + 1], cache=past, use_cache=True)  # transformers 5: `cache`
+            past = res.cache
             nll.append(-torch.log_softmax(res.logits[0, -1].float(), -1)[tokens[0, t + 1]])
     assert (torch.stack(nll) - out.nll[0]).abs().max().item() <= 1e-4
     if model.cfg.kv_heads != model.cfg.n_head:  # the cache holds KV heads, never repeated to query heads
