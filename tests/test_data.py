@@ -151,3 +151,25 @@ def test_corpus_too_small_writes_nothing(tmp_path: Path, outputs: Path):
             DatasetConfig(kind="text_files", path=str(tmp_path)), TokenizerConfig(), outputs, min_tokens=65
         )
     assert not (outputs / "cache").exists() or not any((outputs / "cache").rglob("*.npz"))
+
+
+def test_man_pages_are_read_where_they_stand_as_text(tmp_path):
+    import gzip
+
+    from evictlab.data.corpora import _man_pages, troff_to_text
+    from evictlab.errors import DataError
+
+    page = (
+        '.\\" a comment\n.TH LS 1\n.SH NAME\nls \\- list directory contents\n.TP\n'
+        "\\fB\\-a\\fR, \\fB\\-\\-all\\fR\ndo not ignore\n"
+    )
+    assert troff_to_text(page) == "NAME\nls - list directory contents\n-a, --all\ndo not ignore\n"
+    (tmp_path / "man1").mkdir()
+    with gzip.open(tmp_path / "man1" / "ls.1.gz", "wt") as f:
+        f.write(page)
+    with gzip.open(tmp_path / "man1" / "dir.1.gz", "wt") as f:
+        f.write(".so man1/ls.1\n")  # a link: not a document of its own
+    docs = _man_pages(str(tmp_path))
+    assert [d.id for d in docs] == ["man1/ls.1.gz"] and "list directory contents" in docs[0].text
+    with pytest.raises(DataError, match="no manual pages under"):
+        _man_pages(str(tmp_path / "nowhere"))

@@ -9,8 +9,10 @@ folder or glob; ``hf_dataset`` reads a Hugging Face dataset (hub id or local fol
 from __future__ import annotations
 
 import glob
+import gzip
 import hashlib
 import os
+import re
 import sysconfig
 from dataclasses import dataclass
 from enum import Enum
@@ -24,6 +26,7 @@ class CorpusKind(str, Enum):
     python_stdlib = "python_stdlib"
     text_files = "text_files"
     hf_dataset = "hf_dataset"
+    man_pages = "man_pages"
 
 
 @dataclass
@@ -91,6 +94,75 @@ def _python_stdlib() -> list[Document]:
     return docs
 
 
+MAN_ROOT = "/usr/share/man"
+_TROFF_ESCAPES = re.compile(
+    r"\\(f[BIRP]|f\[[^]]*\]|s[-+]?\d|[&|^/,:%]|\*\(..|\*\[[^]]*\]|\*.|\(..|\[[^]]*\]|e|-|\s)"
+)
+_ESCAPE_TEXT = {
+    "-": "-",
+    "e": "\\",
+    "(em": "--",
+    "(en": "-",
+    "(bu": "*",
+    "(aq": "'",
+    "(dq": '"',
+    "(lq": '"',
+    "(rq": '"',
+}
+_KEEP_MACROS = {
+    ".SH",
+    ".SS",
+    ".B",
+    ".I",
+    ".BR",
+    ".BI",
+    ".IB",
+    ".IR",
+    ".RB",
+    ".RI",
+    ".TP",
+    ".IP",
+    ".Nm",
+    ".Nd",
+}
+
+
+def troff_to_text(source: str) -> str:
+    """The running text of a man page: macro lines dropped (their arguments kept for headings and font
+    macros), escapes replaced or removed, comments removed."""
+    lines = []
+    for line in source.splitlines():
+        if line.startswith(('.\\"', "'\\\"", '\\"')):
+            continue
+        if line.startswith((".", "'")):
+            macro, _, args = line.partition(" ")
+            if macro not in _KEEP_MACROS or not args.strip():
+                continue
+            line = args.replace('"', "")
+        lines.append(_TROFF_ESCAPES.sub(lambda m: _ESCAPE_TEXT.get(m.group(1), ""), line))
+    return "\n".join(lines).strip() + "\n"
+
+
+def _man_pages(root: str = MAN_ROOT) -> list[Document]:
+    """The English manual pages installed on this machine (man1 .. man9, gzipped troff), as text."""
+    files = sorted(glob.glob(os.path.join(root, "man[1-9]*", "*.gz")))
+    if not files:
+        raise DataError(
+            f"dataset kind man_pages: no manual pages under {root}/man*/ (install man-db/manpages)"
+        )
+    docs = []
+    for f in files:
+        try:
+            with gzip.open(f, "rt", encoding="utf-8", errors="replace") as fh:
+                source = fh.read()
+        except (OSError, EOFError):
+            continue
+        if source.startswith(".so "):  # a link to another page
+            continue
+        docs.append(Document(os.path.relpath(f, root), troff_to_text(source)))
+    return docs
+
+
 def _text_files(cfg: DatasetConfig) -> list[Document]:
     spec = os.path.expanduser(cfg.path or "")
     p = Path(spec)
@@ -143,6 +215,7 @@ def load_documents(cfg: DatasetConfig) -> list[Document]:
         CorpusKind.python_stdlib: lambda: _python_stdlib(),
         CorpusKind.text_files: lambda: _text_files(cfg),
         CorpusKind.hf_dataset: lambda: _hf_dataset(cfg),
+        CorpusKind.man_pages: lambda: _man_pages(),
     }
     docs = [d for d in loaders[cfg.kind]() if len(d.text) >= cfg.min_doc_chars]
     if cfg.max_bytes:
