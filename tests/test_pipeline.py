@@ -238,13 +238,16 @@ def test_killed_sweep_resumes_and_every_run_ends_ok_once(outputs: Path):
     again = _sweep(outputs, "hydra/launcher=basic")
     log, _ = again.communicate(timeout=300)
     assert again.returncode == 0, log
+    assert "runs already finished: not launched" in log  # only the missing runs reached the launcher
     done = ok_runs(outputs)
     assert len(done) == 7  # 4 strategies x 2 budgets, full counted once
     for k, mtime in before.items():  # finished runs were not redone
         assert (outputs / "runs" / "smoke" / k / "metrics.json").stat().st_mtime_ns == mtime
     third = _sweep(outputs, "hydra/launcher=basic")
     log, _ = third.communicate(timeout=300)
-    assert log.count(": already done") == 8  # every job (full twice: one run serves both budgets)
+    # a finished sweep launches no job at all (full counts twice: one run serves both budgets)
+    assert third.returncode == 0 and "8 of 8 runs already finished: not launched" in log, log
+    assert ": already done" not in log and "#0 :" not in log
 
 
 @pytest.mark.slow

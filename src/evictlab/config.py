@@ -273,6 +273,8 @@ def register_configs() -> None:
     """The typed schema of conf/config.yaml, and for each registered policy a node `policy/<name>` holding
     its dataclass defaults: `conf/strategy/<name>.yaml` extends it (`defaults: [/policy@_here_: <name>]`),
     so every parameter can be set from the command line while the class stays their only home."""
+    import hydra_plugins.evictlab_sweeper.evictlab_sweeper  # noqa: F401  (hydra/sweeper=evictlab)
+
     store = ConfigStore.instance()
     store.store(name="config_schema", node=Config)
     for name, cls in POLICIES.items():
