@@ -283,3 +283,29 @@ def test_a_run_past_the_reference_cap_records_its_metrics_as_absent_and_still_dr
     aggregate([sweep], sweep)
     figs = F.draw_all(load_tables(sweep))
     assert {"ppl_vs_budget", "kl_vs_budget", "nll_vs_position"} <= set(figs)
+
+
+@pytest.mark.parametrize(
+    "damage",
+    ["truncate per_token.parquet", "delete per_token.parquet", "garble config.yaml", "delete layers.parquet"],
+)
+def test_a_finished_run_with_damaged_files_is_listed_then_redone(outputs: Path, damage: str):
+    from evictlab.analysis.aggregate import aggregate
+
+    cfg = cfg_for(outputs, "strategy=window", "budget=b16", "logger=none")
+    run_mod.run(cfg)
+    d = run_mod.run_dir(cfg)
+    verb, name = damage.split(" ")
+    if verb == "truncate":
+        (d / name).write_bytes((d / name).read_bytes()[:100])
+    elif verb == "delete":
+        (d / name).unlink()
+    else:
+        (d / name).write_text("strategy: [unclosed\n")
+    assert not run_mod.is_done(d)
+    t = aggregate([d.parent])  # never crashes on one bad run folder: it lists it with the reason
+    row = t["failures"].set_index("run_dir").loc[str(d)]
+    assert row["status"] == "unreadable" and (name in row["error"] or "Error" in row["error"]), row["error"]
+    again = run_mod.run(cfg)  # redone in place, same key
+    assert not again.get("skipped") and run_mod.is_done(d) and again["run_key"] == run_mod.run_key(cfg)
+    assert aggregate([d.parent])["failures"].empty

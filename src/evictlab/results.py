@@ -25,6 +25,32 @@ ATTENTION = "attention.parquet"  # full-cache attention by layer x key position
 RECALL = "recall.parquet"  # eval.task=recall: one row per pass-key stream
 GENERATIONS = "generations.parquet"  # eval.generate_tokens > 0: greedy continuations, policy vs full cache
 
+REQUIRED = (CONFIG, PER_TOKEN, LAYERS)  # a finished run has these; the others when its settings ask
+
+
+def unreadable(run: Path) -> str | None:
+    """Why a finished run's result files cannot be used (a file missing, or one that does not parse), or
+    None when they are sound. A run for which this is not None is redone, and aggregation lists it."""
+    import pyarrow.parquet as pq
+    import yaml
+
+    for name in REQUIRED:
+        if not (run / name).is_file():
+            return f"{name} is missing"
+    optional = [n for n in (ATTENTION, RECALL, GENERATIONS) if (run / n).exists()]
+    for name in (n for n in (*REQUIRED, *optional) if n.endswith(".parquet")):
+        try:
+            pq.read_metadata(run / name)
+        except Exception as e:  # noqa: BLE001 - any parse failure means the file is damaged
+            return f"{name} is unreadable ({type(e).__name__}: {str(e).splitlines()[0][:120]})"
+    try:
+        if not isinstance(yaml.safe_load((run / CONFIG).read_text()), dict):
+            return f"{CONFIG} is not a mapping"
+    except (OSError, ValueError, yaml.YAMLError) as e:
+        return f"{CONFIG} is unreadable ({type(e).__name__})"
+    return None
+
+
 # ---- tables of an aggregated sweep (written into the sweep folder; committed as experiments/*/snapshot/)
 TABLES = ("results", "streams", "curves", "attention", "layers", "recall")
 FAILURES = "failures.csv"

@@ -56,12 +56,18 @@ def run_dir(cfg: Config, key: str | None = None) -> Path:
 
 
 def is_done(path: Path) -> bool:
-    """A finished run of the current format (an older format's run is redone in place)."""
+    """A finished run of the current format whose result files are sound (an older format's run, or one
+    with a damaged or missing file, is redone in place)."""
     try:
         m = read_json(path / R.METRICS)
     except (OSError, ValueError):
         return False
-    return m.get("status") == "ok" and m.get("run_format") == R.RUN_FORMAT
+    if m.get("status") != "ok" or m.get("run_format") != R.RUN_FORMAT:
+        return False
+    if (why := R.unreadable(path)) is not None:
+        log.warning("redoing %s: %s", path, why)
+        return False
+    return True
 
 
 def seed_everything(seed: int) -> None:

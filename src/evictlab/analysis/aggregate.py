@@ -60,20 +60,21 @@ def load_run(d: Path) -> tuple[dict[str, Any] | None, dict[str, Any], pd.DataFra
     except (OSError, ValueError):
         return None, cfg, None
     per_token = None
-    if metrics.get("status") == "ok" and (d / R.PER_TOKEN).exists():
+    if metrics.get("status") == "ok" and R.unreadable(d) is None:
         per_token = pd.read_parquet(d / R.PER_TOKEN)
     return metrics, cfg, per_token
 
 
 def failure_row(d: Path, metrics: dict[str, Any] | None, cfg: dict[str, Any]) -> dict[str, Any] | None:
-    """The failures.csv row of a run that is missing, failed, unfinished or stale; None for a sound run."""
+    """The failures.csv row of a run that is missing, failed, unfinished, stale or unreadable; None for a
+    sound run."""
     status = None if metrics is None else metrics.get("status")
-    if status == "ok" and metrics.get("run_format") == R.RUN_FORMAT and (d / R.PER_TOKEN).exists():
-        return None
     stale = status == "ok" and metrics.get("run_format") != R.RUN_FORMAT
     error = None if metrics is None else metrics.get("error")
     if status == "ok" and not stale:
-        status, error = "incomplete", f"{R.PER_TOKEN} is missing"
+        if (why := R.unreadable(d)) is None:
+            return None
+        status, error = "unreadable", why
     return {
         "run_dir": str(d),
         "status": "missing" if metrics is None else "stale" if stale else status,
@@ -114,7 +115,14 @@ def aggregate(sweeps: list[Path], out: Path | None = None) -> dict[str, pd.DataF
     frames: dict[str, list[pd.DataFrame]] = {"attention": [], "layers": [], "recall": []}
     failures = []
     for d in run_dirs(sweeps):
-        metrics, cfg, pt = load_run(d)
+        try:
+            metrics, cfg, pt = load_run(d)
+        except Exception as e:  # noqa: BLE001 - one bad run folder is listed, never fatal
+            error = f"{type(e).__name__}: {e}"
+            failures.append(
+                dict.fromkeys(R.FAILURE_COLUMNS) | {"run_dir": str(d), "status": "unreadable", "error": error}
+            )
+            continue
         if (failure := failure_row(d, metrics, cfg)) is not None:
             failures.append(failure)
             continue
