@@ -257,8 +257,9 @@ class Config:
             raise ConfigError(f"seed={self.seed!r} must be an integer")
         check_device("train.device", self.train.device)
         n = self.eval.stream_len - 1  # the same checks the engine makes, before any work
-        budgets_for(self.model.n_layer, self.strategy.build(), self.resolved_budget, self.eval.allocation, n)
-        check_reference_cap(self.strategy.build(), n, self.eval.spec())
+        policy = self.strategy.build()
+        budgets_for(self.model.n_layer, policy, self.resolved_budget, self.eval.allocation, n)
+        check_reference_cap(policy, n, self.eval.spec())
 
     @property
     def resolved_budget(self) -> int:

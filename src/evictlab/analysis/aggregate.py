@@ -53,28 +53,33 @@ def run_dirs(sweeps: list[Path]) -> list[Path]:
 
 
 def load_run(d: Path) -> tuple[dict[str, Any] | None, dict[str, Any], pd.DataFrame | None]:
-    """(metrics, flattened config, per-token frame) of one run; metrics None when missing."""
+    """(metrics, flattened config, per-token frame) of one run; metrics None when missing, the frame None
+    unless the run is a sound finished run of the current format (`failure_row` says why not)."""
     cfg = flatten(yaml.safe_load((d / R.CONFIG).read_text()) or {}, "cfg.")
     try:
         metrics = read_json(d / R.METRICS)
     except (OSError, ValueError):
         return None, cfg, None
     per_token = None
-    if metrics.get("status") == "ok" and R.unreadable(d) is None:
+    if (
+        metrics.get("status") == "ok"
+        and metrics.get("run_format") == R.RUN_FORMAT
+        and R.unreadable(d) is None
+    ):
         per_token = pd.read_parquet(d / R.PER_TOKEN)
     return metrics, cfg, per_token
 
 
-def failure_row(d: Path, metrics: dict[str, Any] | None, cfg: dict[str, Any]) -> dict[str, Any] | None:
+def failure_row(d: Path, metrics: dict[str, Any] | None, cfg: dict[str, Any], per_token) -> dict | None:
     """The failures.csv row of a run that is missing, failed, unfinished, stale or unreadable; None for a
-    sound run."""
+    sound run (one `load_run` read the per-token frame of)."""
+    if per_token is not None:
+        return None
     status = None if metrics is None else metrics.get("status")
     stale = status == "ok" and metrics.get("run_format") != R.RUN_FORMAT
     error = None if metrics is None else metrics.get("error")
     if status == "ok" and not stale:
-        if (why := R.unreadable(d)) is None:
-            return None
-        status, error = "unreadable", why
+        status, error = "unreadable", R.unreadable(d)
     return {
         "run_dir": str(d),
         "status": "missing" if metrics is None else "stale" if stale else status,
@@ -123,7 +128,7 @@ def aggregate(sweeps: list[Path], out: Path | None = None) -> dict[str, pd.DataF
                 dict.fromkeys(R.FAILURE_COLUMNS) | {"run_dir": str(d), "status": "unreadable", "error": error}
             )
             continue
-        if (failure := failure_row(d, metrics, cfg)) is not None:
+        if (failure := failure_row(d, metrics, cfg, pt)) is not None:
             failures.append(failure)
             continue
         base = {k: metrics.get(k) for k in R.ID_COLUMNS}

@@ -97,25 +97,28 @@ class LostAttention:
 
 
 class RopeTable:
-    """cos, sin of RoPE by position, computed `chunk` positions at a time (flat memory in stream length;
-    the values equal a table over the whole stream)."""
+    """cos, sin of RoPE by position: text positions computed `chunk` at a time (flat memory in stream
+    length), cache ranks 0 .. slots-1 from one fixed table; the values equal a table over the stream."""
 
-    def __init__(self, cfg, like: torch.Tensor, chunk: int = 4096):
+    def __init__(self, cfg, like: torch.Tensor, slots: int, chunk: int = 4096):
         self.dims, self.base, self.like, self.chunk = cfg.rope_dims, cfg.rope_base, like, chunk
-        self.start, self.cos, self.sin = -1, None, None
+        self.rank_cos, self.rank_sin = self._table(0, slots)
+        self.start, self.cos, self.sin = 0, self.rank_cos, self.rank_sin
 
-    def _load(self, start: int) -> None:
-        pos = torch.arange(start, start + self.chunk, device=self.like.device)
-        cos, sin = rope_angles(pos, self.dims, self.base)
-        self.start, self.cos, self.sin = start, cos.to(self.like.dtype), sin.to(self.like.dtype)
+    def _table(self, start: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        cos, sin = rope_angles(torch.arange(start, start + n, device=self.like.device), self.dims, self.base)
+        return cos.to(self.like.dtype), sin.to(self.like.dtype)
 
-    def at(self, pos: int | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rows for one position or a tensor of positions (all within one chunk: ranks of a cache)."""
-        lo, top = (pos, pos) if isinstance(pos, int) else (int(pos.min()), int(pos.max()))
-        if self.cos is None or not (self.start <= lo and top < self.start + self.chunk):
-            self._load(lo - lo % self.chunk)
-        i = pos - self.start
-        return self.cos[i], self.sin[i]
+    def at(self, t: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rows of text position t."""
+        if not self.start <= t < self.start + len(self.cos):
+            self.start = t - t % self.chunk
+            self.cos, self.sin = self._table(self.start, self.chunk)
+        return self.cos[t - self.start], self.sin[t - self.start]
+
+    def ranks(self, r: torch.Tensor | int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rows of ranks inside a cache (all < slots)."""
+        return self.rank_cos[r], self.rank_sin[r]
 
 
 class TokenLoop:
@@ -141,8 +144,8 @@ class TokenLoop:
             state = policy.init_state(B, cfg.kv_heads, S, like)
             self.caches.append(LayerCache(B, cfg.kv_heads, S, cfg.head_dim, like, state))
         rope = cfg.pos_emb is PosEmb.rope
-        slots = max(min(b + 1, n) for b in budgets)  # cache-mode ranks 0 .. slots-1 fit in one chunk
-        self.like, self.rope = like, RopeTable(cfg, like, chunk=max(4096, slots)) if rope else None
+        slots = max(min(b + 1, n) for b in budgets)  # cache-mode ranks are 0 .. slots-1
+        self.like, self.rope = like, RopeTable(cfg, like, slots) if rope else None
         self.rotate_on_write = rope and mode is PositionMode.original  # keys stored at their text phase
         self.reindex = rope and mode is PositionMode.cache  # keys stored unrotated, re-indexed per step
         self.lost = None
@@ -170,8 +173,8 @@ class TokenLoop:
         K, V, P = cache.held()
         if self.reindex:  # ranks 0..m-1 inside the cache, the query last
             r = ranks(P[0, 0]) if self.policy.position_only else ranks(P)  # one layout, or per doc/head
-            K = rotate(K, *self.rope.at(r))
-            q = rotate(q, *self.rope.at(cache.count - 1))
+            K = rotate(K, *self.rope.ranks(r))
+            q = rotate(q, *self.rope.ranks(cache.count - 1))
         y, row = self.attention(a, q, K, V, P >= 0)
         if self.lost is not None:
             self.lost.observe(l, t, P)  # (only the steps the reference covers)
