@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import numpy as np
@@ -124,12 +123,19 @@ def test_bpe_trains_on_train_split_and_is_cached(outputs: Path):
     assert again.data_hash != load_corpus(DatasetConfig(), TokenizerConfig(), outputs).data_hash
 
 
-def test_token_cache_hit_is_fast_and_identical(outputs: Path):
+def test_token_cache_hit_encodes_nothing_and_is_identical(outputs: Path, monkeypatch):
+    import evictlab.data.dataset as dataset_mod
+
     first = load_corpus(DatasetConfig(), TokenizerConfig(), outputs)
     assert first.cache_path is not None and first.cache_path.exists()
-    start = time.perf_counter()
+    mtime = first.cache_path.stat().st_mtime_ns
+
+    def no_save(*args, **kwargs):
+        raise AssertionError("a cached token file was built again")
+
+    monkeypatch.setattr(dataset_mod, "_save", no_save)  # what matters: nothing is tokenized or written
     second = load_corpus(DatasetConfig(), TokenizerConfig(), outputs)
-    assert time.perf_counter() - start < 1.0
+    assert first.cache_path.stat().st_mtime_ns == mtime
     for s in ("train", "val", "test"):
         np.testing.assert_array_equal(first.splits[s].ids, second.splits[s].ids)
         assert first.splits[s].doc_ids == second.splits[s].doc_ids
