@@ -36,8 +36,8 @@ def tokens():
     [
         ("window", {}, 0, "budget=0 must be >= 1"),
         ("window", {}, -3, "budget=-3 must be >= 1"),
-        ("streaming_llm", {"n_sink": 4}, 4, "larger than strategy.n_sink=4"),
-        ("streaming_llm", {"n_sink": 4}, 2, "larger than strategy.n_sink=4"),
+        ("streaming_llm", {"n_sink": 4}, 4, "larger than strategy.params.n_sink=4"),
+        ("streaming_llm", {"n_sink": 4}, 2, "larger than strategy.params.n_sink=4"),
         ("h2o", {"recent_fraction": 0.5}, 1, "h2o split does not fit"),
         ("h2o", {"recent_fraction": 0.9}, 4, "h2o split does not fit"),
         ("scissorhands", {"recent": 8}, 8, "needs at least 9"),

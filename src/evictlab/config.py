@@ -9,6 +9,8 @@ any work starts.
 from __future__ import annotations
 
 import dataclasses
+import math
+import os
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -105,12 +107,16 @@ class TrainConfig:
             raise ConfigError(f"train.min_lr={self.min_lr} must be in [0, train.lr={self.lr}]")
         if not 0 <= self.warmup_steps <= self.steps:
             raise ConfigError(f"train.warmup_steps={self.warmup_steps} must be in [0, train.steps]")
-        if self.weight_decay < 0 or self.grad_clip < 0:
-            raise ConfigError("train.weight_decay and train.grad_clip must be >= 0")
+        for key in ("weight_decay", "grad_clip"):
+            if not getattr(self, key) >= 0:
+                raise ConfigError(f"train.{key}={getattr(self, key)} must be >= 0")
+        for key in ("beta1", "beta2"):
+            if not 0 <= getattr(self, key) < 1:
+                raise ConfigError(f"train.{key}={getattr(self, key)} must be in [0, 1)")
         if self.threads < 0:
             raise ConfigError(f"train.threads={self.threads} must be >= 0")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
-            raise ConfigError(f"train.seed={self.seed!r} must be an integer")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
+            raise ConfigError(f"train.seed={self.seed!r} must be an integer >= 0")
 
 
 @dataclass
@@ -195,8 +201,10 @@ class EvalConfig:
             raise ConfigError(f"eval.split={self.split!r} must be train, val or test")
         if self.threads < 0:
             raise ConfigError(f"eval.threads={self.threads} must be >= 0")
-        if not all(0 <= d <= 1 for d in self.recall_depths) or self.recall_per_depth < 1:
-            raise ConfigError("eval.recall_depths must lie in [0, 1] and eval.recall_per_depth must be >= 1")
+        if not all(0 <= d <= 1 for d in self.recall_depths):
+            raise ConfigError(f"eval.recall_depths={list(self.recall_depths)} must lie in [0, 1]")
+        if self.recall_per_depth < 1:
+            raise ConfigError(f"eval.recall_per_depth={self.recall_per_depth} must be >= 1")
         if not 0 <= self.generate_tokens < self.stream_len:
             raise ConfigError(f"eval.generate_tokens={self.generate_tokens} must be in [0, eval.stream_len)")
         check_device("eval.device", self.device)
@@ -211,6 +219,31 @@ class EvalConfig:
 @dataclass
 class PathsConfig:
     outputs: str = "${oc.env:EVICTLAB_OUTPUTS,outputs}"
+
+
+def check_finite(node: Any, key: str = "") -> None:
+    """No NaN or infinite number anywhere in the config (the schemas' range checks catch most, but a
+    comparison with NaN is false both ways, so a NaN would slip past `x < 0`)."""
+    if dataclasses.is_dataclass(node):
+        for f in dataclasses.fields(node):
+            check_finite(getattr(node, f.name), f"{key}.{f.name}" if key else f.name)
+    elif isinstance(node, dict):
+        for k, v in node.items():
+            check_finite(v, f"{key}.{k}")
+    elif isinstance(node, list | tuple):
+        for i, v in enumerate(node):
+            check_finite(v, f"{key}[{i}]")
+    elif isinstance(node, float) and not math.isfinite(node):
+        raise ConfigError(f"{key}={node} must be a finite number")
+
+
+def check_writable(key: str, path: Path) -> None:
+    """`path` is a folder this process can write in, or can be created (its first existing parent is)."""
+    existing = next(p for p in (path, *path.absolute().parents) if p.exists())
+    if not existing.is_dir():
+        raise ConfigError(f"{key}={str(path)!r}: {str(existing)!r} is a file, not a folder")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ConfigError(f"{key}={str(path)!r}: {str(existing)!r} is not writable by this user")
 
 
 def check_device(key: str, device: str) -> None:
@@ -243,6 +276,13 @@ class Config:
     skip_invalid: bool = field(default=False, metadata=KEYLESS)
 
     def __post_init__(self) -> None:
+        check_finite(self)
+        parts = Path(self.group).parts
+        if not parts or Path(self.group).is_absolute() or any(p in (".", "..") for p in parts):
+            raise ConfigError(
+                f"group={self.group!r} must be a relative name (it becomes outputs/runs/<group>/), "
+                "not an absolute path or one with '..'"
+            )
         if self.model.name_or_path:  # a pretrained checkpoint brings its own tokenizer
             self.tokenizer = TokenizerConfig(kind="hf", name_or_path=self.model.name_or_path)
         if self.model.dtype not in ("float32", "float16", "bfloat16"):
@@ -253,9 +293,10 @@ class Config:
                 f"(model.block_size={self.model.block_size})"
             )
         check_positions(self.model, self.eval.position_mode, self.eval.stream_len)
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
-            raise ConfigError(f"seed={self.seed!r} must be an integer")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
+            raise ConfigError(f"seed={self.seed!r} must be an integer >= 0")
         check_device("train.device", self.train.device)
+        check_writable("paths.outputs", self.outputs)
         n = self.eval.stream_len - 1  # the same checks the engine makes, before any work
         policy = self.strategy.build()
         budgets_for(self.model.n_layer, policy, self.resolved_budget, self.eval.allocation, n)

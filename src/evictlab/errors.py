@@ -7,3 +7,8 @@ class ConfigError(ValueError):
 
 class DataError(ConfigError):
     """A corpus that cannot be loaded or is unusable (missing path, too small, offline hub)."""
+
+
+class DivergedError(ConfigError):
+    """Numbers became NaN or infinite (a training loss, an evaluation's NLL): these settings give no result,
+    and nothing is cached or reported as ok."""

@@ -12,6 +12,7 @@ whose metrics.json says ok in the current run format is skipped.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import random
 import socket
@@ -31,6 +32,7 @@ from evictlab.config import Config, hydra_entry, key_dict
 from evictlab.data.dataset import Corpus, load_corpus
 from evictlab.data.recall import RecallBatch, recall_streams
 from evictlab.data.streams import eval_streams
+from evictlab.errors import DivergedError
 from evictlab.eval.evaluate import EvalResult, evaluate, greedy_divergence, recall_accuracy
 from evictlab.eval.sinks import sink_metrics
 from evictlab.eval.spec import check_positions
@@ -145,6 +147,10 @@ class RunStages:
         tokens, recall = self.streams(corpus, model)
         policy, budget, spec = self.cfg.strategy.build(), self.cfg.resolved_budget, self.cfg.eval.spec()
         res = evaluate(model, tokens, policy, budget, spec)
+        if not math.isfinite(res.summary["ppl"]):
+            bad = int((~np.isfinite(res.per_token["nll"])).sum())
+            ppl = res.summary["ppl"]
+            raise DivergedError(f"the evaluation's NLL is not finite at {bad} positions (ppl {ppl})")
         sink, sink_layers = self.sink(model, corpus)
         res.layers = pd.concat([res.layers, sink_layers], ignore_index=True)
         curve = self.write_results(res)

@@ -27,7 +27,7 @@ from tqdm.auto import tqdm
 
 from evictlab.config import Config, TrainConfig, hydra_entry, key_dict
 from evictlab.data.dataset import Corpus, TokenSplit, load_corpus
-from evictlab.errors import ConfigError
+from evictlab.errors import ConfigError, DivergedError
 from evictlab.eval.sinks import sink_metrics
 from evictlab.models.gpt import GPT, GPTConfig
 from evictlab.perf import matmul_flops_per_s, set_threads
@@ -198,12 +198,18 @@ def optimize(model: GPT, tc: TrainConfig, sampler: WindowSampler, val_batches, n
             group["lr"] = lr
         x, y = (t.to(device) for t in sampler.batch(tc.batch_size))
         _, loss = model(x, y)
+        value = float(loss.detach())
+        if not math.isfinite(value):
+            raise DivergedError(
+                f"training diverged: loss {value} at step {step + 1} (lr {lr:.3g}); nothing was "
+                "cached. Lower train.lr or check the model settings"
+            )
         opt.zero_grad(set_to_none=True)
         loss.backward()
         if tc.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(model.parameters(), tc.grad_clip)
         opt.step()
-        row: dict[str, float] = {"step": step + 1, "lr": lr, "train_loss": float(loss.detach())}
+        row: dict[str, float] = {"step": step + 1, "lr": lr, "train_loss": value}
         if (step + 1) % tc.eval_interval == 0 or step + 1 == tc.steps:
             row["val_loss"] = mean_loss(model, val_batches)
         history.append(row)

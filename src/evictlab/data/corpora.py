@@ -11,6 +11,7 @@ from __future__ import annotations
 import glob
 import gzip
 import hashlib
+import logging
 import os
 import re
 import sysconfig
@@ -19,6 +20,8 @@ from enum import Enum
 from pathlib import Path
 
 from evictlab.errors import ConfigError, DataError
+
+log = logging.getLogger(__name__)
 
 
 class CorpusKind(str, Enum):
@@ -174,14 +177,34 @@ def _text_files(cfg: DatasetConfig) -> list[Document]:
         files = sorted(Path(f) for f in glob.glob(spec, recursive=True) if Path(f).is_file())
         if not files:
             raise DataError(f"dataset.path={cfg.path!r}: no such file, folder or glob match")
-    docs = []
+    docs, bad, total, worst = [], 0, 0, []
     for f in files:
-        text = f.read_text(encoding="utf-8", errors="replace")
+        raw = f.read_bytes()
+        text, n_bad = _decode(raw)
+        bad, total = bad + n_bad, total + len(raw)
+        if n_bad:
+            worst.append((n_bad, f.as_posix()))
         parts = text.split(cfg.doc_separator) if cfg.doc_separator else [text]
         docs += [Document(f"{f.as_posix()}#{i}", t) for i, t in enumerate(parts) if t.strip()]
+    if bad:
+        names = ", ".join(name for _, name in sorted(worst, reverse=True)[:3])
+        what = f"{bad:,} of {total:,} bytes are not UTF-8 text (binary?) in {len(worst)} files ({names})"
+        if bad > MAX_BAD_BYTES * total:
+            raise DataError(f"dataset.path={cfg.path!r}: {what}; over {MAX_BAD_BYTES:.0%}, so not used")
+        log.warning("dataset.path=%r: %s; each was replaced by U+FFFD", cfg.path, what)
     if not docs:
         raise DataError(f"dataset.path={cfg.path!r}: the text is empty")
     return docs
+
+
+MAX_BAD_BYTES = 0.01  # share of a text_files corpus that may be undecodable (replaced) before it is refused
+_UNDECODABLE = re.compile("[\udc80-\udcff\x00]")  # surrogate-escaped bad bytes, and NUL (binary files)
+
+
+def _decode(raw: bytes) -> tuple[str, int]:
+    """UTF-8 text of a file with each undecodable byte (and NUL) replaced by U+FFFD, and how many were."""
+    text, n = _UNDECODABLE.subn("\ufffd", raw.decode("utf-8", errors="surrogateescape"))
+    return text, n
 
 
 def _hf_dataset(cfg: DatasetConfig) -> list[Document]:

@@ -94,8 +94,11 @@ class GPTConfig:
             )
         if self.pos_emb is PosEmb.rope and self.rope_dims % 2:
             raise ConfigError(f"RoPE needs an even head_dim; got n_embd/n_head={self.head_dim}")
-        if self.rope_base <= 1:
+        if not self.rope_base > 1:
             raise ConfigError(f"model.rope_base={self.rope_base} must be > 1")
+        for key in ("norm_eps", "init_std"):
+            if not getattr(self, key) > 0:
+                raise ConfigError(f"model.{key}={getattr(self, key)} must be > 0")
 
     @property
     def head_dim(self) -> int:

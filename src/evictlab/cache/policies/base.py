@@ -12,6 +12,8 @@ policies never manage slot reuse.
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import ClassVar
@@ -21,6 +23,7 @@ import torch
 from evictlab.errors import ConfigError
 
 INF = float("inf")
+SCALARS = {"bool": bool, "int": int, "float": float}
 
 
 @dataclass
@@ -62,7 +65,27 @@ class Policy:
     shift_invariant: ClassVar[bool] = False
 
     def __post_init__(self) -> None:
+        self.check_types()
         self.check_params()
+
+    def check_types(self) -> None:
+        """Each parameter has its field's type: an int field takes an integer (not 2.5, not a bool), a bool
+        field true or false (not the string "no"), a float field a finite number."""
+        for f in dataclasses.fields(self):
+            # the annotation as written: a type, or its name under `from __future__ import annotations`
+            value, kind = getattr(self, f.name), SCALARS.get(f.type, f.type)
+            is_bool = isinstance(value, bool)
+            if kind is bool:
+                ok, want = is_bool, "true or false"
+            elif kind is int:
+                ok, want = isinstance(value, int) and not is_bool, "an integer"
+            elif kind is float:
+                number = isinstance(value, int | float) and not is_bool
+                ok, want = number and math.isfinite(value), "a finite number"
+            else:
+                continue
+            if not ok:
+                raise ConfigError(f"strategy.params.{f.name}={value!r} must be {want}")
 
     def check_params(self) -> None:
         """Validate the policy's own parameters (raise ConfigError)."""

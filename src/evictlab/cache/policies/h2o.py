@@ -22,7 +22,7 @@ class H2O(Policy):
 
     def check_params(self) -> None:
         if not 0 < self.recent_fraction < 1:
-            raise ConfigError(f"strategy.recent_fraction={self.recent_fraction} must be in (0, 1)")
+            raise ConfigError(f"strategy.params.recent_fraction={self.recent_fraction} must be in (0, 1)")
 
     def n_recent(self, budget: int) -> int:
         return int(round(self.recent_fraction * budget))

@@ -20,8 +20,9 @@ class L2Norm(Policy):
     n_recent: int = 0
 
     def check_params(self) -> None:
-        if self.n_sink < 0 or self.n_recent < 0:
-            raise ConfigError("strategy.n_sink and strategy.n_recent must be >= 0")
+        for key in ("n_sink", "n_recent"):
+            if getattr(self, key) < 0:
+                raise ConfigError(f"strategy.params.{key}={getattr(self, key)} must be >= 0")
 
     def min_budget(self) -> int:
         return self.n_sink + self.n_recent + 1

@@ -30,10 +30,9 @@ class Random(Policy):
     n_sink: int = 0
 
     def check_params(self) -> None:
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
-            raise ConfigError(f"strategy.seed={self.seed!r} must be an integer")
-        if self.n_sink < 0:
-            raise ConfigError(f"strategy.n_sink={self.n_sink} must be >= 0")
+        for key in ("seed", "n_sink"):
+            if getattr(self, key) < 0:
+                raise ConfigError(f"strategy.params.{key}={getattr(self, key)} must be >= 0")
 
     def min_budget(self) -> int:
         return self.n_sink + 1

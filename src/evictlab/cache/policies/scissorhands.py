@@ -24,11 +24,11 @@ class Scissorhands(Policy):
 
     def check_params(self) -> None:
         if self.history_window < 1:
-            raise ConfigError(f"strategy.history_window={self.history_window} must be >= 1")
+            raise ConfigError(f"strategy.params.history_window={self.history_window} must be >= 1")
         if self.threshold <= 0:
-            raise ConfigError(f"strategy.threshold={self.threshold} must be > 0")
+            raise ConfigError(f"strategy.params.threshold={self.threshold} must be > 0")
         if self.recent < 0:
-            raise ConfigError(f"strategy.recent={self.recent} must be >= 0")
+            raise ConfigError(f"strategy.params.recent={self.recent} must be >= 0")
 
     def min_budget(self) -> int:
         return self.recent + 1

@@ -22,7 +22,7 @@ class StreamingLLM(Policy):
 
     def check_params(self) -> None:
         if self.n_sink < 0:
-            raise ConfigError(f"strategy.n_sink={self.n_sink} must be >= 0")
+            raise ConfigError(f"strategy.params.n_sink={self.n_sink} must be >= 0")
 
     def min_budget(self) -> int:
         return self.n_sink + 1
@@ -30,7 +30,7 @@ class StreamingLLM(Policy):
     def validate(self, budget: int) -> None:
         if budget >= 1 and budget <= self.n_sink:
             raise ConfigError(
-                f"budget={budget} must be larger than strategy.n_sink={self.n_sink} "
+                f"budget={budget} must be larger than strategy.params.n_sink={self.n_sink} "
                 "(the sinks count toward the budget and the window needs at least one entry)"
             )
         super().validate(budget)
