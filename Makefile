@@ -10,7 +10,7 @@ LAUNCHER ?= local
 OUT ?= $(or $(EVICTLAB_OUTPUTS),outputs)
 
 .DEFAULT_GOAL := help
-.PHONY: help install test test-fast lint format train run sweep smoke paper aggregate figures report print-config sync bench bench-long clean-cache
+.PHONY: help install test test-fast test-slurm lint format train run sweep smoke paper aggregate figures report print-config sync bench bench-long clean-cache
 
 help: ## List every target with one line each
 	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z_-]+:.*## / {printf "  make %-12s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
@@ -27,6 +27,11 @@ test: ## Run the test suite (what CI runs)
 
 test-fast: ## Run the test suite without tests marked slow
 	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
+
+test-slurm: ## Start a one-node SLURM here (apt-get installs slurm-wlm, munge if missing; root), run tests/test_slurm.py, stop it
+	scripts/slurm-local.sh up
+	status=0; SLURM_CONF=$$(scripts/slurm-local.sh conf) $(PY) -m pytest -q -m slurm tests/test_slurm.py $(PYTEST_ARGS) || status=$$?; \
+	scripts/slurm-local.sh down; exit $$status
 
 lint: ## Lint with ruff (check + format check)
 	$(VENV)/bin/ruff check src tests benchmarks

@@ -309,3 +309,50 @@ def test_a_finished_run_with_damaged_files_is_listed_then_redone(outputs: Path, 
     again = run_mod.run(cfg)  # redone in place, same key
     assert not again.get("skipped") and run_mod.is_done(d) and again["run_key"] == run_mod.run_key(cfg)
     assert aggregate([d.parent])["failures"].empty
+
+
+@pytest.mark.slow
+def test_a_worker_killed_from_outside_is_that_runs_failure_not_the_sweeps(outputs: Path):
+    """As the out-of-memory killer would: every process that starts the target run is killed with SIGKILL.
+    The other runs finish, the target is recorded as failed, the sweep ends with one summary line, exit 1."""
+    grid = ["strategy=h2o", "budget=b16", "eval.n_streams=2,3,4,24"]  # the 24-stream run is the target
+    run_cli("evictlab.train", "+experiment=smoke", "logger=none", outputs=outputs)  # the checkpoint first
+    proc = _sweep(outputs, "hydra/launcher=local", *grid)
+    killed: set[int] = set()
+    while proc.poll() is None:
+        for info in (outputs / "runs" / "smoke").glob("h2o-*/run_info.json"):
+            run = info.parent
+            if "n_streams: 24" not in (run / "config.yaml").read_text() or (run / "metrics.json").exists():
+                continue
+            try:
+                pid = json.loads(info.read_text())["pid"]
+            except (ValueError, OSError):  # being written
+                continue
+            if pid not in killed:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                    killed.add(pid)
+                except ProcessLookupError:
+                    pass
+        time.sleep(0.05)
+    log = proc.stdout.read()
+    assert proc.returncode == 1, log
+    assert killed, log
+    summary = [ln for ln in log.splitlines() if ln.startswith("error: ")]
+    assert len(summary) == 1 and "1 of 4 runs failed" in summary[0] and "eval.n_streams=24" in summary[0], log
+    assert "its process died" in summary[0] and "Traceback" not in log
+    done = ok_runs(outputs)
+    assert sorted(m["n_streams"] for m in done.values()) == [2, 3, 4]
+    failed = [
+        json.loads(p.read_text())
+        for p in (outputs / "runs" / "smoke").glob("*/metrics.json")
+        if json.loads(p.read_text())["status"] == "failed"
+    ]
+    assert len(failed) == 1 and failed[0]["error"].startswith("KilledError: its process died")
+    # aggregate lists it with the reason
+    from evictlab.analysis.aggregate import aggregate
+
+    sweep = outputs / "runs" / "smoke"
+    aggregate([sweep], sweep)
+    failures = pd.read_csv(sweep / "failures.csv")
+    assert "KilledError" in " ".join(failures["error"].astype(str))

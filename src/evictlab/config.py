@@ -377,5 +377,11 @@ def hydra_entry(job: Callable[[Config], str]) -> None:
 
 
 def _fail(e: ConfigError) -> None:
+    """One `error:` line and exit 2; inside a sweep the job fails instead (the sweep goes on and lists it)."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
     print(f"error: {e}", file=sys.stderr)
+    if HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN:
+        raise e
     sys.exit(2)

@@ -4,18 +4,27 @@ It expands the sweep grid like Hydra's basic sweeper, then composes each job's c
 key and drops the jobs whose run folder already holds a finished run of the current format. Only what is
 missing reaches the launcher (joblib locally, submitit on SLURM): a rerun of a finished sweep submits
 nothing, a partly finished one submits the rest. conf/config.yaml selects it (`hydra/sweeper: evictlab`).
+
+One run's failure is that run's alone: a run that raises is recorded (its metrics.json says failed) and the
+others go on; a job whose process dies (a worker killed by the out-of-memory killer, a cancelled SLURM job)
+breaks only the launch it was in, whose unfinished jobs are launched again in halves until the one that
+dies is alone: it is recorded as failed. The sweep ends with one line naming what failed, and exit 1.
 """
 
 # No `from __future__ import annotations` here: Hydra's plugin scan executes this module without
 # registering it in sys.modules, and dataclasses cannot resolve string annotations then.
 import logging
 import sys
+import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from hydra._internal.core_plugins.basic_sweeper import BasicSweeper, BasicSweeperConf
 from hydra.core.config_store import ConfigStore
-from omegaconf import open_dict
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.core.utils import JobReturn, JobStatus
+from omegaconf import OmegaConf, open_dict
 
 log = logging.getLogger(__name__)
 
@@ -26,20 +35,94 @@ class EvictlabSweeperConf(BasicSweeperConf):
 
 
 class EvictlabSweeper(BasicSweeper):
-    def finished(self, job: list[str]) -> bool:
-        """Does this job's run folder already hold a finished run? (A job that does not validate is not
-        finished: it is launched and fails there, in one line.)"""
+    def job_config(self, job: list[str]):
+        """The validated evictlab Config of one job (raises ConfigError)."""
         from evictlab.config import to_objects
-        from evictlab.errors import ConfigError
-        from evictlab.run import is_done, run_dir
 
         cfg = self.hydra_context.config_loader.load_sweep_config(self.config, list(job))
         with open_dict(cfg):
             del cfg["hydra"]
+        return to_objects(cfg)
+
+    def finished(self, job: list[str]) -> bool:
+        """Does this job's run folder already hold a finished run? (A job that does not validate is not
+        finished: it is launched and fails there, in one line.)"""
+        from evictlab.errors import ConfigError
+        from evictlab.run import is_done, run_dir
+
         try:
-            return is_done(run_dir(to_objects(cfg)))
+            return is_done(run_dir(self.job_config(job)))
         except ConfigError:
             return False
+
+    def sweep(self, arguments: list[str]) -> Any:
+        """Hydra's basic sweep, with failures collected instead of raised at the first one."""
+        params = self._parse_config() + list(arguments)
+        parser = OverridesParser.create(config_loader=self.hydra_context.config_loader)
+        self.overrides = self.split_arguments(parser.parse_overrides(params), self.max_batch_size)
+        sweep_dir = Path(self.config.hydra.sweep.dir)
+        sweep_dir.mkdir(parents=True, exist_ok=True)
+        OmegaConf.save(self.config, sweep_dir / "multirun.yaml")
+        if type(self.launcher).__name__ == "SlurmLauncher":
+            watch_with_squeue_without_accounting()
+        returns, failed, total, idx = [], [], 0, 0
+        while not self.is_done():
+            batch = self.get_job_batch()
+            self.validate_batch_is_legal(batch)
+            results, dead = self.launch_surviving(batch, idx)
+            failed += [
+                (r.overrides, _first_line(r._return_value)) for r in results if r.status == JobStatus.FAILED
+            ]
+            failed += dead
+            idx, total = idx + len(batch), total + len(batch)
+            returns.append(results)
+        if failed:
+            what = "; ".join(f"[{' '.join(o)}] {why}" for o, why in failed)
+            print(
+                f"error: {len(failed)} of {total} runs failed: {what}",
+                file=sys.stderr,
+            )
+            sys.exit(1)
+        return returns
+
+    def launch_surviving(self, batch, idx: int) -> tuple[list[JobReturn], list[tuple[list[str], str]]]:
+        """Launch a batch; if a job's process dies, launch the unfinished jobs again in halves until the one
+        that dies is alone. Returns (job returns, [(overrides, why)] of the jobs whose process died)."""
+        try:
+            return list(self.launcher.launch(batch, initial_job_idx=idx)), []
+        except Exception as e:  # noqa: BLE001 - joblib TerminatedWorkerError, submitit UncompletedJobError, ...
+            why = f"its process died ({_first_line(e)})"
+        todo = [job for job in batch if not self.finished(job)]
+        if len(todo) <= 1:
+            for job in todo:
+                self.record_death(job, why)
+            return [], [(list(job), why) for job in todo]
+        print(
+            f"a job's process died; launching the {len(todo)} unfinished runs again, in halves",
+            file=sys.stderr,
+        )
+        time.sleep(1)  # let a killed worker pool shut down
+        half = len(todo) // 2
+        first, dead_a = self.launch_surviving(todo[:half], idx)
+        second, dead_b = self.launch_surviving(todo[half:], idx + half)
+        return first + second, dead_a + dead_b
+
+    def record_death(self, job, why: str) -> None:
+        """Write a failed metrics.json for a run whose process died (it could not write one itself)."""
+        from evictlab import results as R
+        from evictlab.errors import ConfigError
+        from evictlab.run import run_dir, run_key
+        from evictlab.store import write_json
+
+        try:
+            cfg = self.job_config(job)
+        except ConfigError:
+            return
+        out = run_dir(cfg)
+        out.mkdir(parents=True, exist_ok=True)
+        write_json(
+            out / R.METRICS, {"status": "failed", "run_key": run_key(cfg), "error": f"KilledError: {why}"}
+        )
 
     def split_arguments(self, overrides: Any, max_batch_size: int | None) -> list[list[list[str]]]:
         batches = BasicSweeper.split_arguments(overrides, max_batch_size)
@@ -48,6 +131,38 @@ class EvictlabSweeper(BasicSweeper):
         if left < total:
             print(f"{total - left} of {total} runs already finished: not launched", file=sys.stderr)
         return [batch for batch in todo if batch]
+
+
+def watch_with_squeue_without_accounting() -> None:
+    """On a SLURM without job accounting (`AccountingStorageType=accounting_storage/none`, as on a small
+    test cluster) `sacct` fails: submitit then warns on every poll ("Bypassing sacct error") and never sees
+    a cancelled or killed job end, so the sweep waits forever. There, read job states from `squeue -t all`
+    (which lists ended jobs for MinJobAge seconds) in sacct's format. With accounting, nothing changes."""
+    import subprocess
+
+    from submitit.slurm.slurm import SlurmInfoWatcher
+
+    try:
+        subprocess.run(["sacct", "-n", "-j", "1"], check=True, capture_output=True, timeout=30)
+        return
+    except (OSError, subprocess.SubprocessError):
+        pass
+
+    def squeue_command(watcher: SlurmInfoWatcher) -> list[str] | None:
+        jobs = sorted({x.split("_")[0] for x in watcher._registered - watcher._finished})
+        if not jobs:
+            return None
+        script = 'echo "JobID|State|NodeList"; exec squeue -h -t all -o "%i|%T|%N" -j "$1"'
+        return ["sh", "-c", script, "squeue", ",".join(jobs)]
+
+    SlurmInfoWatcher._make_command = squeue_command
+    log.info("SLURM job accounting is off (sacct fails): job states are read from squeue")
+
+
+def _first_line(e: BaseException, limit: int = 300) -> str:
+    """The error on one line: its type and its message with newlines squashed, cut at `limit` characters."""
+    text = " ".join(str(e).split())
+    return f"{type(e).__name__}: {text[:limit]}{'...' if len(text) > limit else ''}"
 
 
 ConfigStore.instance().store(
