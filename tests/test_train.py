@@ -96,6 +96,31 @@ def test_corrupt_checkpoint_is_retrained_with_a_warning(outputs: Path, caplog):
         assert not get_checkpoint(make_cfg(outputs, "train.steps=5", "train.warmup_steps=2")).cached
 
 
+@pytest.mark.parametrize(
+    "edit",
+    [("model", "rope_base", 500.0), ("model", "n_head", 2), ("train", "lr", 0.5), ("key", None, "0" * 16)],
+)
+def test_a_checkpoint_whose_meta_was_edited_is_retrained_not_loaded(outputs: Path, caplog, edit):
+    import json
+
+    args = ("train.steps=5", "train.warmup_steps=2")
+    first = get_checkpoint(make_cfg(outputs, *args))
+    meta_path = first.path / "meta.json"
+    meta = json.loads(meta_path.read_text())
+    section, name, value = edit
+    if name is None:
+        meta[section] = value
+    else:
+        meta[section][name] = value
+    meta_path.write_text(json.dumps(meta))
+    with caplog.at_level("WARNING"):
+        again = get_checkpoint(make_cfg(outputs, *args))
+    assert not again.cached and "retraining" in caplog.text
+    assert (f"{section}.{name}=" if name else "says key") in caplog.text
+    assert json.loads(meta_path.read_text())["model"]["rope_base"] == first.meta["model"]["rope_base"]
+    assert get_checkpoint(make_cfg(outputs, *args)).cached  # the retrained one is sound
+
+
 def test_two_processes_train_once(outputs: Path):
     args = [*TINY, "train.steps=400"]
     env_outputs = {"EVICTLAB_OUTPUTS": str(outputs)}

@@ -311,6 +311,26 @@ def load_checkpoint(path: str | Path) -> tuple[GPT, dict[str, Any]]:
     return model, meta
 
 
+def check_settings(meta: dict[str, Any], cfg: Config, key: str) -> None:
+    """A cached checkpoint is what its key says: the model and training settings its meta.json records are
+    the requested ones (an edited meta.json would load other weights' settings under this key). Raises
+    ValueError naming the first setting that differs."""
+    if meta.get("key") != key:
+        raise ValueError(f"checkpoint meta.json says key {meta.get('key')!r}, its folder {key!r}")
+    stored = {f"model.{k}": v for k, v in meta.get("model", {}).items()}
+    wanted = {f"model.{k}": v for k, v in to_jsonable(cfg.model).items()}
+    try:
+        stored_train = key_dict(TrainConfig(**meta.get("train", {})), weights=True)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"checkpoint meta.json has unreadable train settings ({e})") from None
+    stored |= {f"train.{k}": v for k, v in stored_train.items()}
+    wanted |= {f"train.{k}": v for k, v in key_dict(cfg.train, weights=True).items()}
+    for name in sorted(set(stored) | set(wanted)):
+        if stored.get(name) != wanted.get(name):
+            have, want = stored.get(name), wanted.get(name)
+            raise ValueError(f"checkpoint meta.json records {name}={have!r}, but {want!r} was asked for")
+
+
 def save_checkpoint(dest: Path, model: GPT, meta: dict[str, Any]) -> None:
     """Write into a temp folder beside dest, then rename it into place (readers never see half)."""
     tmp = dest.parent / f".{dest.name}.tmp-{uuid.uuid4().hex[:8]}"
@@ -343,6 +363,7 @@ def get_checkpoint(cfg: Config, corpus: Corpus | None = None) -> Checkpoint:
             return None
         try:
             model, meta = load_checkpoint(dest)
+            check_settings(meta, cfg, key)
             return Checkpoint(dest, model, meta, cached=True)
         except ValueError as e:
             log.warning("%s; retraining it", e)
