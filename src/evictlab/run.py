@@ -18,6 +18,8 @@ import random
 import socket
 import time
 import traceback
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -130,6 +132,25 @@ def run(cfg: Config) -> dict[str, Any]:
         return metrics
 
 
+class StageClock:
+    """Wall seconds of each stage of a run, recorded as `time_<stage>_s` in metrics.json (what a run costs
+    beyond its compute: benchmarks/run_overhead.py)."""
+
+    def __init__(self) -> None:
+        self.times: dict[str, float] = {}
+
+    @contextmanager
+    def __call__(self, stage: str) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.times[stage] = time.perf_counter() - start
+
+    def seconds(self) -> dict[str, float]:
+        return {f"time_{stage}_s": s for stage, s in self.times.items()}
+
+
 def _write_table(path: Path, frame: pd.DataFrame) -> None:
     write_atomic(path, lambda p: frame.to_parquet(p, index=False))
 
@@ -143,26 +164,34 @@ class RunStages:
     out: Path
 
     def run(self) -> dict[str, Any]:
-        corpus, ck, model = self.subject()
-        tokens, recall = self.streams(corpus, model)
+        clock = StageClock()
+        with clock("subject"):  # corpus and checkpoint (loaded, or trained once)
+            corpus, ck, model = self.subject()
+        with clock("streams"):
+            tokens, recall = self.streams(corpus, model)
         policy, budget, spec = self.cfg.strategy.build(), self.cfg.resolved_budget, self.cfg.eval.spec()
-        res = evaluate(model, tokens, policy, budget, spec)
+        with clock("evaluate"):
+            res = evaluate(model, tokens, policy, budget, spec)
         if not math.isfinite(res.summary["ppl"]):
             bad = int((~np.isfinite(res.per_token["nll"])).sum())
             ppl = res.summary["ppl"]
             raise DivergedError(f"the evaluation's NLL is not finite at {bad} positions (ppl {ppl})")
-        sink, sink_layers = self.sink(model, corpus)
+        with clock("sink"):
+            sink, sink_layers = self.sink(model, corpus)
         res.layers = pd.concat([res.layers, sink_layers], ignore_index=True)
-        curve = self.write_results(res)
+        with clock("files"):
+            curve = self.write_results(res)
         metrics = self.identity(ck) | res.summary | sink
-        if recall is not None:
-            metrics |= self.recall_metrics(recall_accuracy(model, recall, policy, budget, spec, res))
-        generations = None
-        if self.cfg.eval.generate_tokens and not policy.needs_future:  # a non-causal policy cannot generate
-            generations, extra = self.generation(model, tokens, corpus)
-            metrics |= extra
-        self.track(metrics, curve, generations)
-        return metrics
+        with clock("tasks"):
+            if recall is not None:
+                metrics |= self.recall_metrics(recall_accuracy(model, recall, policy, budget, spec, res))
+            generations = None
+            if self.cfg.eval.generate_tokens and not policy.needs_future:  # a non-causal one cannot generate
+                generations, extra = self.generation(model, tokens, corpus)
+                metrics |= extra
+        with clock("tracking"):
+            self.track(metrics | clock.seconds(), curve, generations)
+        return metrics | clock.seconds()
 
     def subject(self) -> tuple[Corpus, Checkpoint, GPT]:
         """The corpus and the model (trained or loaded from the cache), on the evaluation device."""

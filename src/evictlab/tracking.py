@@ -39,6 +39,19 @@ class LoggerConfig:
         return cls(**{**d, "mode": LoggerMode(d.get("mode", "offline"))})
 
 
+# What W&B would collect that evictlab records itself (git state and packages in run_info.json / meta.json)
+# or does not need (system metrics sampled every few seconds, source code, requirements): off, so a run
+# starts and finishes W&B several times faster once its service is up (benchmarks/run_overhead.py).
+LEAN = {
+    "x_disable_stats": True,
+    "x_disable_meta": True,
+    "x_disable_machine_info": True,
+    "disable_git": True,
+    "disable_code": True,
+    "x_save_requirements": False,
+}
+
+
 @contextmanager
 def wandb_run(
     logger: LoggerConfig,
@@ -71,7 +84,7 @@ def wandb_run(
             config=config,
             resume="allow",
             reinit="finish_previous",
-            settings=wandb.Settings(silent=True, console="off", init_timeout=60),
+            settings=wandb.Settings(silent=True, console="off", init_timeout=60, **LEAN),
         )
     except Exception as e:  # noqa: BLE001 - any failure to start W&B must not fail the run
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
