@@ -7,7 +7,7 @@ import pandas as pd
 import pytest
 import torch
 
-from evictlab.data.synthetic import TRIGGERS, make_synthetic_sequence
+from evictlab.data.synthetic import PRINTABLE, TRIGGERS, make_copy_sequence, make_synthetic_sequence
 from evictlab.data.tokenizers import ByteTokenizer
 from evictlab.eval import sinks
 from tests.conftest import make_cfg
@@ -61,6 +61,40 @@ def test_synthetic_share_mixes_documents_into_training_and_zero_changes_nothing(
     triggers = torch.tensor([ord(t) for t in TRIGGERS])
     with_jobs = torch.isin(x, triggers).any(1) | (x == ord("@")).any(1)
     assert 20 <= int(with_jobs.sum()) <= 32 and x.shape == (32, 128)
+
+
+def _repeated_share(seq: np.ndarray, k: int = 8) -> float:
+    """Share of positions whose preceding k tokens occurred earlier in the sequence (copyable)."""
+    seen, hits = set(), 0
+    for i in range(k, len(seq)):
+        gram = tuple(seq[i - k : i])
+        hits += gram in seen
+        seen.add(gram)
+    return hits / (len(seq) - k)
+
+
+def test_a_copy_document_is_mostly_copies_and_without_filler_in_warmup(corpus):
+    tok, prefix = corpus.tokenizer, np.array(corpus.prefix(False))
+    filler = corpus.splits["train"].ids
+    for seed in range(4):
+        seq = make_copy_sequence(tok, prefix, filler, 513, np.random.default_rng(seed))
+        again = make_copy_sequence(tok, prefix, filler, 513, np.random.default_rng(seed))
+        assert len(seq) == 513 and np.array_equal(seq, again) and np.array_equal(seq[: len(prefix)], prefix)
+        assert 0.15 <= _repeated_share(seq) <= 0.8, seed
+        tight = make_copy_sequence(tok, prefix, filler, 513, np.random.default_rng(seed), filler_max=0)
+        assert set(tok.decode(tight[len(prefix) :])) <= set(PRINTABLE)  # no natural text at all
+        assert _repeated_share(tight) > 0.3
+
+
+def test_the_synthetic_warmup_trains_on_synthetic_documents_only_then_mixes(corpus):
+    from evictlab.train import WindowSampler
+
+    split = corpus.splits["train"]
+    sampler = WindowSampler(split, corpus, 128, False, seed=1, synthetic_kind="copy", synthetic_warmup=2)
+    text = [corpus.tokenizer.decode(sampler.batch(16)[0].flatten().tolist()) for _ in range(3)]
+    allowed = set(PRINTABLE) | {"<", ">", "b", "o", "s"}  # <bos> decodes as text
+    assert set(text[0]) <= allowed and set(text[1]) <= allowed  # warmup: copy documents without filler
+    assert not set(text[2]) <= allowed  # then natural text (synthetic_share 0)
 
 
 def test_sink_metrics_follow_gu_et_al(monkeypatch, corpus):

@@ -66,6 +66,11 @@ def key_dict(obj: Any, *, weights: bool = False) -> Any:
     return out
 
 
+class SyntheticKind(str, Enum):
+    events = "events"  # data/synthetic.py: make_synthetic_sequence
+    copy = "copy"  # data/synthetic.py: make_copy_sequence
+
+
 @dataclass
 class TrainConfig:
     steps: int = 800
@@ -89,11 +94,20 @@ class TrainConfig:
     recall_queries: int = field(default=1, metadata=neutral(1))
     # share of training samples replaced by synthetic in-context documents (data/synthetic.py)
     synthetic_share: float = field(default=0.0, metadata=neutral(0.0))
+    # which synthetic documents: events (repeats, trigger bigrams, key-value records in natural text) or
+    # copy (random segments each written 2-3 times in a row, little filler: about half the tokens are copies)
+    synthetic_kind: SyntheticKind = field(default=SyntheticKind.events, metadata=neutral("events"))
+    # a curriculum: the first steps train on synthetic documents only (copy documents without filler),
+    # then the mix above
+    synthetic_warmup: int = field(default=0, metadata=neutral(0))
 
     def __post_init__(self) -> None:
         for key in ("recall_share", "synthetic_share"):
             if not 0 <= getattr(self, key) < 1:
                 raise ConfigError(f"train.{key}={getattr(self, key)} must be in [0, 1)")
+        self.synthetic_kind = SyntheticKind(self.synthetic_kind)
+        if not 0 <= self.synthetic_warmup <= self.steps:
+            raise ConfigError(f"train.synthetic_warmup={self.synthetic_warmup} must be in [0, train.steps]")
         if self.recall_queries < 1:
             raise ConfigError(f"train.recall_queries={self.recall_queries} must be >= 1")
         for key in ("steps", "batch_size", "eval_interval", "eval_batches"):

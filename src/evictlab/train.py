@@ -73,6 +73,8 @@ class WindowSampler:
         recall_share: float = 0.0,
         recall_queries: int = 1,
         synthetic_share: float = 0.0,
+        synthetic_kind: str = "events",
+        synthetic_warmup: int = 0,
     ):
         self.prefix = np.asarray(corpus.prefix(sink_token), dtype=np.int64)
         self.stream = split.stream(corpus.tokenizer.bos_id if corpus.bos else None)
@@ -86,6 +88,8 @@ class WindowSampler:
         self.rng = np.random.default_rng(seed)
         self.recall_share, self.recall_queries = recall_share, recall_queries
         self.synthetic_share = synthetic_share
+        self.synthetic_kind = str(getattr(synthetic_kind, "value", synthetic_kind))  # an enum or its name
+        self.synthetic_warmup, self.batches = synthetic_warmup, 0  # batches drawn so far (= training steps)
         self.split, self.tok, self.seq_len = split, corpus.tokenizer, seq_len
 
     def batch(self, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -106,13 +110,18 @@ class WindowSampler:
                     self.rng,
                     queries=self.recall_queries,
                 )[0]
-        if self.synthetic_share > 0:  # replace a share by synthetic in-context documents (data/synthetic.py)
-            from evictlab.data.synthetic import make_synthetic_sequence
+        warm = self.batches < self.synthetic_warmup  # the curriculum's first steps: synthetic only
+        self.batches += 1
+        if self.synthetic_share > 0 or warm:  # replace a share by synthetic in-context documents
+            from evictlab.data.synthetic import make_copy_sequence, make_synthetic_sequence
 
-            for i in np.flatnonzero(self.rng.random(batch_size) < self.synthetic_share):
-                rows[i] = make_synthetic_sequence(
-                    self.tok, self.prefix, self.split.ids, self.seq_len + 1, self.rng
-                )
+            share = 1.0 if warm else self.synthetic_share
+            for i in np.flatnonzero(self.rng.random(batch_size) < share):
+                args = (self.tok, self.prefix, self.split.ids, self.seq_len + 1, self.rng)
+                if self.synthetic_kind == "copy":
+                    rows[i] = make_copy_sequence(*args, filler_max=0 if warm else 48)
+                else:
+                    rows[i] = make_synthetic_sequence(*args)
         seq = torch.from_numpy(np.stack(rows))
         x, y = seq[:, :-1], seq[:, 1:].clone()
         y[torch.isin(y, torch.tensor(self.specials))] = -1
@@ -261,6 +270,8 @@ def train_model(cfg: Config, corpus: Corpus) -> tuple[GPT, dict[str, Any]]:
         "recall_share": tc.recall_share,
         "recall_queries": tc.recall_queries,
         "synthetic_share": tc.synthetic_share,
+        "synthetic_kind": tc.synthetic_kind.value,
+        "synthetic_warmup": tc.synthetic_warmup,
     }
     train_s = WindowSampler(corpus.splits["train"], corpus, tc.seq_len, mc.sink_token, tc.seed, **mix)
     # Fixed evaluation windows, drawn from their own generators so they never move the training stream.

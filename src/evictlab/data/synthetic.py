@@ -13,6 +13,10 @@ A document is  prefix + filler, with three kinds of event spliced in at random p
 * **key-value**: records ``@ab=1234;`` and later queries ``@ab?1234;`` of a recorded key.
 
 Each document has exactly the requested number of tokens and is a pure function of the generator's state.
+
+`make_copy_sequence` (train.synthetic_kind=copy) is the denser job: the whole document is random printable
+segments (16-48 characters), each written 2-3 times in a row with 0..`filler_max` natural tokens before
+each copy, so about half of its tokens can only be predicted by copying.
 """
 
 from __future__ import annotations
@@ -70,3 +74,19 @@ def make_synthetic_sequence(
         parts += [chunk, event]
         n += len(chunk) + len(event)
     return np.concatenate(parts).astype(np.int64)[:length]
+
+
+def make_copy_sequence(
+    tok, prefix: np.ndarray, filler: np.ndarray, length: int, rng: np.random.Generator, filler_max: int = 48
+) -> np.ndarray:
+    """One copy document of exactly `length` tokens: prefix, then random segments each repeated 2-3 times,
+    with 0..filler_max tokens of natural text (a random place in `filler`) before each copy."""
+    parts, n = [np.asarray(prefix, dtype=np.int64)], len(prefix)
+    while n < length:
+        segment = np.asarray(tok.encode(_random_string(rng, int(rng.integers(16, 49)))), dtype=np.int64)
+        start = int(rng.integers(0, max(1, len(filler) - 3 * filler_max - 1)))
+        for _ in range(int(rng.integers(2, 4))):
+            k = int(rng.integers(0, filler_max + 1))
+            parts += [np.asarray(filler[start : start + k], dtype=np.int64), segment]
+            start, n = start + k, n + k + len(segment)
+    return np.concatenate(parts)[:length]

@@ -1,0 +1,106 @@
+"""Follow a training recipe step by step: does the model learn to copy, and does it grow an attention sink?
+
+    python benchmarks/recipe_probe.py --every 150 train.steps=1500 train.seq_len=256 \\
+        train.synthetic_kind=copy train.synthetic_share=0.3 train.synthetic_warmup=400
+
+Arguments after the options are Hydra overrides of conf/ (model, train, dataset ...), as for
+`python -m evictlab.train`. The model trains exactly as `train_model` does (same sampler, optimizer and
+schedule; one thread unless train.threads says otherwise) but is not cached. Every `--every` steps it
+prints one JSON line: validation loss (nats/token), induction (mean NLL on the second copy of 40 random
+printable characters repeated once, against the first copy's: a copying model drives `ind2` far below
+`ind1`), pass-key recall exact matches (teacher-forced, full cache, 6 streams per depth 0.1/0.5/0.9 of
+train.seq_len tokens), `sink_head_fraction(_deep)` and the last query's attention on position 0 per layer
+(eval/sinks.py). This is the instrument behind the recipe notes in README ("Attention sinks").
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import numpy as np
+import torch
+
+from evictlab.config import compose, to_objects
+from evictlab.data.dataset import load_corpus
+from evictlab.data.recall import recall_streams
+from evictlab.eval.sinks import sink_metrics
+from evictlab.models.gpt import GPT
+from evictlab.perf import set_threads
+from evictlab.train import WindowSampler, fixed_batches, lr_at, make_optimizer, mean_loss
+
+
+@torch.no_grad()
+def probe(model: GPT, corpus, cfg, induction: torch.Tensor, recall, val) -> dict:
+    model.eval()
+    nll = -torch.log_softmax(model(induction)[:, :-1], -1).gather(-1, induction[:, 1:, None])[..., 0]
+    half = (induction.shape[1] - 1) // 2
+    pred = model(recall.tokens)[:, :-1].argmax(-1) == recall.tokens[:, 1:]
+    exact = sum(bool(pred[i][recall.answer[i]].all()) for i in range(len(pred)))
+    sink, layers = sink_metrics(model, corpus, cfg.train.seq_len, cfg.model.sink_token)
+    last = layers[layers.metric == "last_query_first_mass"].sort_values("layer")["value"]
+    out = {
+        "val": round(mean_loss(model, val), 4),
+        "ind1": round(nll[:, 1:half].mean().item(), 3),
+        "ind2": round(nll[:, half + 1 :].mean().item(), 3),
+        "recall_exact": f"{exact}/{len(pred)}",
+        **{k: round(v, 3) for k, v in sink.items()},
+        "last_query_first_mass": [round(v, 2) for v in last],
+    }
+    model.train()
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--every", type=int, default=150)
+    ap.add_argument("overrides", nargs="*")
+    args = ap.parse_args()
+    cfg = to_objects(compose(["logger=none", *args.overrides]))
+    tc, mc = cfg.train, cfg.model
+    set_threads(tc.threads or 1)
+    corpus = load_corpus(cfg.dataset, cfg.tokenizer, cfg.outputs, min_tokens=tc.seq_len + 1)
+    mc.vocab_size = corpus.tokenizer.vocab_size
+    torch.manual_seed(tc.seed)
+    model = GPT(mc)
+    mix = {k: getattr(tc, k) for k in ("recall_share", "recall_queries", "synthetic_share", "synthetic_kind")}
+    sampler = WindowSampler(
+        corpus.splits["train"],
+        corpus,
+        tc.seq_len,
+        mc.sink_token,
+        tc.seed,
+        **mix,
+        synthetic_warmup=tc.synthetic_warmup,
+    )
+    val = fixed_batches(
+        WindowSampler(corpus.splits["val"], corpus, tc.seq_len, mc.sink_token, 10_000), tc, "cpu"
+    )
+    rng = np.random.default_rng(123)
+    segments = rng.integers(33, 127, size=(32, 40))
+    induction = torch.from_numpy(
+        np.concatenate([np.full((32, 1), corpus.tokenizer.bos_id), segments, segments], 1)
+    )
+    recall = recall_streams(corpus, 6, tc.seq_len, mc.sink_token, depths=(0.1, 0.5, 0.9), seed=0)
+    opt = make_optimizer(model, tc)
+    start = time.perf_counter()
+    print(json.dumps({"overrides": args.overrides}), flush=True)
+    for step in range(tc.steps):
+        lr = lr_at(step, tc)
+        for group in opt.param_groups:
+            group["lr"] = lr
+        x, y = sampler.batch(tc.batch_size)
+        _, loss = model(x, y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        if tc.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), tc.grad_clip)
+        opt.step()
+        if (step + 1) % args.every == 0 or step + 1 == tc.steps:
+            row = {"step": step + 1, "wall_s": round(time.perf_counter() - start)}
+            print(json.dumps(row | probe(model, corpus, cfg, induction, recall, val)), flush=True)
+
+
+if __name__ == "__main__":
+    main()
