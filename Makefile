@@ -26,7 +26,7 @@ test: ## Run the test suite (what CI runs)
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 test-fast: ## Run the test suite without tests marked slow
-	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
+	$(PY) -m pytest -q -m "not slow and not slurm" $(PYTEST_ARGS)
 
 test-slurm: ## Start a one-node SLURM here (apt-get installs slurm-wlm, munge if missing; root), run tests/test_slurm.py, stop it
 	scripts/slurm-local.sh up
