@@ -186,8 +186,9 @@ class TokenLoop:
         """The query's attention over the held entries -> (output [B, 1, C], the attention row [B, Hkv, U]
         averaged over each KV head's query heads, or None when the policy does not read it).
 
-        Two batched matmuls over the KV heads (each KV head's query heads are the rows of one GEMM), not
-        SDPA: with one query and a mask, CPU SDPA takes a slower general path (measured 4x here)."""
+        Two batched matmuls over the KV heads (each KV head's query heads are the rows of one GEMM), the
+        same for every policy: no einsum (it copied K to a permuted layout every step), no masked SDPA
+        (not faster here for one query: make bench's loop rows within noise of it, 2026-12-01)."""
         B, H, _, D = q.shape
         qg = q.view(B, H // self.groups, self.groups, D)  # [B, Hkv, g, D]
         s = (qg @ K.transpose(-1, -2)) * self.scale  # [B, Hkv, g, U]
