@@ -1,0 +1,55 @@
+"""Where a token-loop step spends its time (torch.profiler), at make bench's shapes.
+
+    python benchmarks/profile_loop.py h2o original          # policy, position mode
+    python benchmarks/profile_loop.py streaming_llm cache --tokens 256 --docs 64
+
+gpt_small with random weights, `--docs` documents x `--tokens` tokens, budget 128, 1 thread, the loop
+forced (diagnostics off). Prints tokens/s and ms per step of an unprofiled pass, then the profiler's
+table of aten ops by self CPU time for a second pass.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from evictlab.cache import make_policy
+from evictlab.eval import StreamSpec, stream
+from evictlab.eval.spec import PositionMode
+from evictlab.models.gpt import GPT, GPTConfig
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("policy")
+    ap.add_argument("mode", choices=[m.value for m in PositionMode])
+    ap.add_argument("--docs", type=int, default=64)
+    ap.add_argument("--tokens", type=int, default=256)
+    ap.add_argument("--budget", type=int, default=128)
+    ap.add_argument("--rows", type=int, default=20)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=258)).eval()
+    tokens = torch.randint(0, 256, (args.docs, args.tokens + 1))
+    spec = StreamSpec(
+        position_mode=PositionMode(args.mode), batch_size=args.docs, diagnostics=False, force_loop=True
+    )
+    policy = make_policy(args.policy)
+    stream(model, tokens[:, :64], policy, args.budget, spec)  # warm-up
+    start = time.perf_counter()
+    stream(model, tokens, policy, args.budget, spec)
+    seconds = time.perf_counter() - start
+    steps = args.tokens
+    rate, step_ms = args.docs * steps / seconds, seconds / steps * 1e3
+    print(f"{args.policy} {args.mode}: {rate:,.0f} tok/s, {step_ms:.2f} ms/step")
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        stream(model, tokens, policy, args.budget, spec)
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.rows))
+
+
+if __name__ == "__main__":
+    main()
