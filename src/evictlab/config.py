@@ -106,8 +106,6 @@ class TrainConfig:
             if not 0 <= getattr(self, key) < 1:
                 raise ConfigError(f"train.{key}={getattr(self, key)} must be in [0, 1)")
         self.synthetic_kind = SyntheticKind(self.synthetic_kind)
-        if not 0 <= self.synthetic_warmup <= self.steps:
-            raise ConfigError(f"train.synthetic_warmup={self.synthetic_warmup} must be in [0, train.steps]")
         if self.recall_queries < 1:
             raise ConfigError(f"train.recall_queries={self.recall_queries} must be >= 1")
         for key in ("steps", "batch_size", "eval_interval", "eval_batches"):
@@ -119,6 +117,8 @@ class TrainConfig:
             raise ConfigError(f"train.lr={self.lr} must be > 0")
         if not 0 <= self.min_lr <= self.lr:
             raise ConfigError(f"train.min_lr={self.min_lr} must be in [0, train.lr={self.lr}]")
+        if not 0 <= self.synthetic_warmup <= self.steps:
+            raise ConfigError(f"train.synthetic_warmup={self.synthetic_warmup} must be in [0, train.steps]")
         if not 0 <= self.warmup_steps <= self.steps:
             raise ConfigError(f"train.warmup_steps={self.warmup_steps} must be in [0, train.steps]")
         for key in ("weight_decay", "grad_clip"):
