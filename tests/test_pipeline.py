@@ -356,3 +356,27 @@ def test_a_worker_killed_from_outside_is_that_runs_failure_not_the_sweeps(output
     aggregate([sweep], sweep)
     failures = pd.read_csv(sweep / "failures.csv")
     assert "KilledError" in " ".join(failures["error"].astype(str))
+
+
+def test_without_slurm_accounting_job_states_come_from_squeue_in_sacct_format(monkeypatch):
+    """make test-slurm runs it for real; here the format: submitit reads squeue's lines as sacct's."""
+    import subprocess as sp
+
+    from submitit.slurm.slurm import SlurmInfoWatcher
+
+    from hydra_plugins.evictlab_sweeper import evictlab_sweeper as sweeper
+
+    monkeypatch.setattr(SlurmInfoWatcher, "_make_command", SlurmInfoWatcher._make_command)  # restored after
+
+    def no_accounting(*args, **kwargs):
+        raise sp.CalledProcessError(1, "sacct")
+
+    monkeypatch.setattr(sp, "run", no_accounting)
+    sweeper.watch_with_squeue_without_accounting()
+    watcher = SlurmInfoWatcher()
+    watcher.register_job("14_0")
+    watcher.register_job("15_2")
+    command = watcher._make_command()
+    assert command[:2] == ["sh", "-c"] and "squeue -h -t all" in command[2] and command[-1] == "14,15"
+    states = watcher.read_info("JobID|State|NodeList\n14_0|CANCELLED|vm\n15_[1-3]|PENDING|\n")
+    assert states["14_0"]["State"] == "CANCELLED" and states["15_2"]["State"] == "PENDING"
