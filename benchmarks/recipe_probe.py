@@ -3,14 +3,14 @@
     python benchmarks/recipe_probe.py --every 150 train.steps=1500 train.seq_len=256 \\
         train.synthetic_kind=copy train.synthetic_share=0.3 train.synthetic_warmup=400
 
-Arguments after the options are Hydra overrides of conf/ (model, train, dataset ...), as for
-`python -m evictlab.train`. The model trains exactly as `train_model` does (same sampler, optimizer and
-schedule; one thread unless train.threads says otherwise) but is not cached. Every `--every` steps it
-prints one JSON line: validation loss (nats/token), induction (mean NLL on the second copy of 40 random
-printable characters repeated once, against the first copy's: a copying model drives `ind2` far below
-`ind1`), pass-key recall exact matches (teacher-forced, full cache, 6 streams per depth 0.1/0.5/0.9 of
-train.seq_len tokens), `sink_head_fraction(_deep)` and the last query's attention on position 0 per layer
-(eval/sinks.py). This is the instrument behind the recipe notes in README ("Attention sinks").
+Arguments after the options are Hydra overrides of conf/ (model, train, dataset ...), as for `python -m
+evictlab.train`. The model trains with `train.optimize` on `WindowSampler.for_training`, as `train_model`
+does (one thread unless train.threads says otherwise), but is not cached. Every `--every` steps it prints
+one JSON line: validation loss (nats/token), induction (mean NLL on the second copy of 40 random printable
+characters repeated once, against the first copy's: a copying model drives `ind2` far below `ind1`),
+pass-key recall exact matches (teacher-forced, full cache, 6 streams per depth 0.1/0.5/0.9 of train.seq_len
+tokens), `sink_head_fraction(_deep)` and the last query's attention on position 0 per layer (eval/sinks.py).
+This is the instrument behind the recipe notes in README ("Attention sinks").
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from evictlab.data.recall import recall_streams
 from evictlab.eval.sinks import sink_metrics
 from evictlab.models.gpt import GPT
 from evictlab.perf import set_threads
-from evictlab.train import WindowSampler, fixed_batches, lr_at, make_optimizer, mean_loss
+from evictlab.train import WindowSampler, fixed_batches, mean_loss, optimize
 
 
 @torch.no_grad()
@@ -64,42 +64,23 @@ def main() -> None:
     mc.vocab_size = corpus.tokenizer.vocab_size
     torch.manual_seed(tc.seed)
     model = GPT(mc)
-    mix = {k: getattr(tc, k) for k in ("recall_share", "recall_queries", "synthetic_share", "synthetic_kind")}
-    sampler = WindowSampler(
-        corpus.splits["train"],
-        corpus,
-        tc.seq_len,
-        mc.sink_token,
-        tc.seed,
-        **mix,
-        synthetic_warmup=tc.synthetic_warmup,
-    )
-    val = fixed_batches(
-        WindowSampler(corpus.splits["val"], corpus, tc.seq_len, mc.sink_token, 10_000), tc, "cpu"
-    )
+    sampler = WindowSampler.for_training(corpus, tc, mc.sink_token)
+    val_split = corpus.splits["val"]
+    val = fixed_batches(WindowSampler(val_split, corpus, tc.seq_len, mc.sink_token, 10_000), tc, "cpu")
     rng = np.random.default_rng(123)
     segments = rng.integers(33, 127, size=(32, 40))
-    induction = torch.from_numpy(
-        np.concatenate([np.full((32, 1), corpus.tokenizer.bos_id), segments, segments], 1)
-    )
+    bos = np.full((32, 1), corpus.tokenizer.bos_id)
+    induction = torch.from_numpy(np.concatenate([bos, segments, segments], 1))
     recall = recall_streams(corpus, 6, tc.seq_len, mc.sink_token, depths=(0.1, 0.5, 0.9), seed=0)
-    opt = make_optimizer(model, tc)
     start = time.perf_counter()
     print(json.dumps({"overrides": args.overrides}), flush=True)
-    for step in range(tc.steps):
-        lr = lr_at(step, tc)
-        for group in opt.param_groups:
-            group["lr"] = lr
-        x, y = sampler.batch(tc.batch_size)
-        _, loss = model(x, y)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        if tc.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), tc.grad_clip)
-        opt.step()
-        if (step + 1) % args.every == 0 or step + 1 == tc.steps:
-            row = {"step": step + 1, "wall_s": round(time.perf_counter() - start)}
+
+    def after_step(done: int) -> None:
+        if done % args.every == 0 or done == tc.steps:
+            row = {"step": done, "wall_s": round(time.perf_counter() - start)}
             print(json.dumps(row | probe(model, corpus, cfg, induction, recall, val)), flush=True)
+
+    optimize(model, tc, sampler, val, mc.name, after_step=after_step)
 
 
 if __name__ == "__main__":

@@ -21,13 +21,20 @@ def corpus(session_outputs):
     return load_corpus(cfg.dataset, cfg.tokenizer, cfg.outputs)
 
 
-def test_a_synthetic_document_has_its_length_prefix_and_in_context_jobs(corpus):
+def _documents(corpus, make, seeds: int, **kw):
+    """(tokenizer, prefix, seed, document) of `make` for each seed, after checking that each document has
+    exactly 513 tokens, starts with the prefix and is a pure function of its generator's seed."""
     tok, prefix = corpus.tokenizer, np.array(corpus.prefix(False))
     filler = corpus.splits["train"].ids
-    for seed in range(5):
-        seq = make_synthetic_sequence(tok, prefix, filler, 513, np.random.default_rng(seed))
-        again = make_synthetic_sequence(tok, prefix, filler, 513, np.random.default_rng(seed))
+    for seed in range(seeds):
+        seq = make(tok, prefix, filler, 513, np.random.default_rng(seed), **kw)
+        again = make(tok, prefix, filler, 513, np.random.default_rng(seed), **kw)
         assert len(seq) == 513 and np.array_equal(seq, again) and np.array_equal(seq[: len(prefix)], prefix)
+        yield tok, prefix, seed, seq
+
+
+def test_a_synthetic_document_has_its_length_prefix_and_in_context_jobs(corpus):
+    for tok, prefix, seed, seq in _documents(corpus, make_synthetic_sequence, 5):
         text = tok.decode(seq[len(prefix) :])
         # every trigger character is followed by the same character throughout the document
         for t in TRIGGERS:
@@ -42,7 +49,11 @@ def test_a_synthetic_document_has_its_length_prefix_and_in_context_jobs(corpus):
     assert (
         len(
             {
-                tuple(make_synthetic_sequence(tok, prefix, filler, 200, np.random.default_rng(s)))
+                tuple(
+                    make_synthetic_sequence(
+                        tok, prefix, corpus.splits["train"].ids, 200, np.random.default_rng(s)
+                    )
+                )
                 for s in range(4)
             }
         )
@@ -74,14 +85,9 @@ def _repeated_share(seq: np.ndarray, k: int = 8) -> float:
 
 
 def test_a_copy_document_is_mostly_copies_and_without_filler_in_warmup(corpus):
-    tok, prefix = corpus.tokenizer, np.array(corpus.prefix(False))
-    filler = corpus.splits["train"].ids
-    for seed in range(4):
-        seq = make_copy_sequence(tok, prefix, filler, 513, np.random.default_rng(seed))
-        again = make_copy_sequence(tok, prefix, filler, 513, np.random.default_rng(seed))
-        assert len(seq) == 513 and np.array_equal(seq, again) and np.array_equal(seq[: len(prefix)], prefix)
+    for _, _, seed, seq in _documents(corpus, make_copy_sequence, 4):
         assert 0.15 <= _repeated_share(seq) <= 0.8, seed
-        tight = make_copy_sequence(tok, prefix, filler, 513, np.random.default_rng(seed), filler_max=0)
+    for tok, prefix, _, tight in _documents(corpus, make_copy_sequence, 4, filler_max=0):
         assert set(tok.decode(tight[len(prefix) :])) <= set(PRINTABLE)  # no natural text at all
         assert _repeated_share(tight) > 0.3
 

@@ -129,8 +129,7 @@ class TrainConfig:
                 raise ConfigError(f"train.{key}={getattr(self, key)} must be in [0, 1)")
         if self.threads < 0:
             raise ConfigError(f"train.threads={self.threads} must be >= 0")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
-            raise ConfigError(f"train.seed={self.seed!r} must be an integer >= 0")
+        check_seed("train.seed", self.seed)
 
 
 @dataclass
@@ -235,6 +234,11 @@ class PathsConfig:
     outputs: str = "${oc.env:EVICTLAB_OUTPUTS,outputs}"
 
 
+def check_seed(key: str, seed: Any) -> None:
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+        raise ConfigError(f"{key}={seed!r} must be an integer >= 0")
+
+
 def check_finite(node: Any, key: str = "") -> None:
     """No NaN or infinite number anywhere in the config (the schemas' range checks catch most, but a
     comparison with NaN is false both ways, so a NaN would slip past `x < 0`)."""
@@ -307,8 +311,7 @@ class Config:
                 f"(model.block_size={self.model.block_size})"
             )
         check_positions(self.model, self.eval.position_mode, self.eval.stream_len)
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
-            raise ConfigError(f"seed={self.seed!r} must be an integer >= 0")
+        check_seed("seed", self.seed)
         check_device("train.device", self.train.device)
         check_writable("paths.outputs", self.outputs)
         n = self.eval.stream_len - 1  # the same checks the engine makes, before any work

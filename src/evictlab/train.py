@@ -15,6 +15,7 @@ import shutil
 import sys
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -88,9 +89,16 @@ class WindowSampler:
         self.rng = np.random.default_rng(seed)
         self.recall_share, self.recall_queries = recall_share, recall_queries
         self.synthetic_share = synthetic_share
-        self.synthetic_kind = str(getattr(synthetic_kind, "value", synthetic_kind))  # an enum or its name
+        self.synthetic_kind = synthetic_kind  # "events" | "copy" (a SyntheticKind compares equal to its name)
         self.synthetic_warmup, self.batches = synthetic_warmup, 0  # batches drawn so far (= training steps)
         self.split, self.tok, self.seq_len = split, corpus.tokenizer, seq_len
+
+    @classmethod
+    def for_training(cls, corpus: Corpus, tc: TrainConfig, sink_token: bool) -> WindowSampler:
+        """The training stream of `tc`: its seed, and its mix of pass-key and synthetic documents."""
+        mix = ("recall_share", "recall_queries", "synthetic_share", "synthetic_kind", "synthetic_warmup")
+        split = corpus.splits["train"]
+        return cls(split, corpus, tc.seq_len, sink_token, tc.seed, **{k: getattr(tc, k) for k in mix})
 
     def batch(self, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
         """x, y: [batch_size, seq_len] int64; y = -1 where the target is a special token."""
@@ -192,9 +200,17 @@ def fixed_batches(
     return [tuple(t.to(device) for t in sampler.batch(cfg.batch_size)) for _ in range(cfg.eval_batches)]
 
 
-def optimize(model: GPT, tc: TrainConfig, sampler: WindowSampler, val_batches, name: str) -> list[dict]:
+def optimize(
+    model: GPT,
+    tc: TrainConfig,
+    sampler: WindowSampler,
+    val_batches,
+    name: str,
+    after_step: Callable[[int], None] | None = None,
+) -> list[dict]:
     """The training loop: AdamW with the lr schedule, gradient clipping and a validation loss every
-    eval_interval steps; returns the history (one row per step)."""
+    eval_interval steps; returns the history (one row per step). `after_step(steps done)`, if given, runs
+    after each step (benchmarks/recipe_probe.py measures the model there)."""
     device = next(model.parameters()).device
     opt = make_optimizer(model, tc)
     history: list[dict[str, float]] = []
@@ -228,6 +244,8 @@ def optimize(model: GPT, tc: TrainConfig, sampler: WindowSampler, val_batches, n
             if "val_loss" in row:
                 post["val"] = f"{row['val_loss']:.3f}"
             bar.set_postfix(post, refresh=False)
+        if after_step is not None:
+            after_step(step + 1)
     model.eval()
     return history
 
@@ -266,14 +284,7 @@ def train_model(cfg: Config, corpus: Corpus) -> tuple[GPT, dict[str, Any]]:
     device = torch.device(tc.device)
     torch.manual_seed(tc.seed)
     model = GPT(mc).to(device)
-    mix = {
-        "recall_share": tc.recall_share,
-        "recall_queries": tc.recall_queries,
-        "synthetic_share": tc.synthetic_share,
-        "synthetic_kind": tc.synthetic_kind.value,
-        "synthetic_warmup": tc.synthetic_warmup,
-    }
-    train_s = WindowSampler(corpus.splits["train"], corpus, tc.seq_len, mc.sink_token, tc.seed, **mix)
+    train_s = WindowSampler.for_training(corpus, tc, mc.sink_token)
     # Fixed evaluation windows, drawn from their own generators so they never move the training stream.
     val_s = WindowSampler(corpus.splits["val"], corpus, tc.seq_len, mc.sink_token, seed=10_000 + tc.seed)
     fixed_train = WindowSampler(

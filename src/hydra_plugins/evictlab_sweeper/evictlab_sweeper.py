@@ -78,10 +78,7 @@ class EvictlabSweeper(BasicSweeper):
             returns.append(results)
         if failed:
             what = "; ".join(f"[{' '.join(o)}] {why}" for o, why in failed)
-            print(
-                f"error: {len(failed)} of {total} runs failed: {what}",
-                file=sys.stderr,
-            )
+            print(f"error: {len(failed)} of {total} runs failed: {what}", file=sys.stderr)
             sys.exit(1)
         return returns
 
@@ -118,11 +115,10 @@ class EvictlabSweeper(BasicSweeper):
             cfg = self.job_config(job)
         except ConfigError:
             return
-        out = run_dir(cfg)
+        key = run_key(cfg)
+        out = run_dir(cfg, key)
         out.mkdir(parents=True, exist_ok=True)
-        write_json(
-            out / R.METRICS, {"status": "failed", "run_key": run_key(cfg), "error": f"KilledError: {why}"}
-        )
+        write_json(out / R.METRICS, {"status": "failed", "run_key": key, "error": f"KilledError: {why}"})
 
     def split_arguments(self, overrides: Any, max_batch_size: int | None) -> list[list[list[str]]]:
         batches = BasicSweeper.split_arguments(overrides, max_batch_size)
