@@ -25,6 +25,7 @@ import torch
 from evictlab.config import compose, to_objects
 from evictlab.data.dataset import load_corpus
 from evictlab.data.recall import recall_streams
+from evictlab.errors import ConfigError
 from evictlab.eval.sinks import sink_metrics
 from evictlab.models.gpt import GPT
 from evictlab.perf import set_threads
@@ -36,15 +37,17 @@ def probe(model: GPT, corpus, cfg, induction: torch.Tensor, recall, val) -> dict
     model.eval()
     nll = -torch.log_softmax(model(induction)[:, :-1], -1).gather(-1, induction[:, 1:, None])[..., 0]
     half = (induction.shape[1] - 1) // 2
-    pred = model(recall.tokens)[:, :-1].argmax(-1) == recall.tokens[:, 1:]
-    exact = sum(bool(pred[i][recall.answer[i]].all()) for i in range(len(pred)))
+    exact = None  # recall streams need a longer context than train.seq_len allows
+    if recall is not None:
+        pred = model(recall.tokens)[:, :-1].argmax(-1) == recall.tokens[:, 1:]
+        exact = f"{sum(bool(pred[i][recall.answer[i]].all()) for i in range(len(pred)))}/{len(pred)}"
     sink, layers = sink_metrics(model, corpus, cfg.train.seq_len, cfg.model.sink_token)
     last = layers[layers.metric == "last_query_first_mass"].sort_values("layer")["value"]
     out = {
         "val": round(mean_loss(model, val), 4),
         "ind1": round(nll[:, 1:half].mean().item(), 3),
         "ind2": round(nll[:, half + 1 :].mean().item(), 3),
-        "recall_exact": f"{exact}/{len(pred)}",
+        "recall_exact": exact,
         **{k: round(v, 3) for k, v in sink.items()},
         "last_query_first_mass": [round(v, 2) for v in last],
     }
@@ -71,7 +74,11 @@ def main() -> None:
     segments = rng.integers(33, 127, size=(32, 40))
     bos = np.full((32, 1), corpus.tokenizer.bos_id)
     induction = torch.from_numpy(np.concatenate([bos, segments, segments], 1))
-    recall = recall_streams(corpus, 6, tc.seq_len, mc.sink_token, depths=(0.1, 0.5, 0.9), seed=0)
+    try:
+        recall = recall_streams(corpus, 6, tc.seq_len, mc.sink_token, depths=(0.1, 0.5, 0.9), seed=0)
+    except ConfigError as e:
+        print(f"no pass-key recall probe: {e}", flush=True)
+        recall = None
     start = time.perf_counter()
     print(json.dumps({"overrides": args.overrides}), flush=True)
 
