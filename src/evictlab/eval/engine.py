@@ -43,6 +43,7 @@ class StreamOutput:
     sink_mass: torch.Tensor | None = None  # [B, n, L] (full-cache attention on the first positions)
     seconds: float = 0.0
     policy_seconds: float = 0.0  # time inside policy scoring and victim selection
+    compile_seconds: float = 0.0  # torch.compile of the loop's steady step (spec.compile), part of `seconds`
     kept: list[torch.Tensor] = field(default_factory=list)  # per layer [B, Hkv, S] final positions (loop)
 
 
@@ -58,8 +59,11 @@ def _static_output(per_token: dict, tokens: torch.Tensor, budgets: list[int], pa
     return StreamOutput(**per_token, occupancy=occupancy, path=path, budgets=budgets)
 
 
-def _loop_output(model, tokens, policy, budgets, mode, ref, doc, progress: bool) -> StreamOutput:
-    per_token, loop, _ = stream_loop(model, tokens, policy, budgets, mode, ref, doc, progress=progress)
+def _loop_output(model, tokens, policy, budgets, ref, doc, spec: StreamSpec) -> StreamOutput:
+    mode, progress = spec.position_mode, spec.progress
+    per_token, loop, _ = stream_loop(
+        model, tokens, policy, budgets, mode, ref, doc, progress=progress, compile=spec.compile
+    )
     lost = None if loop.lost is None else loop.lost.values
     return StreamOutput(
         **per_token,
@@ -68,6 +72,7 @@ def _loop_output(model, tokens, policy, budgets, mode, ref, doc, progress: bool)
         budgets=budgets,
         lost=lost,
         policy_seconds=loop.policy_seconds,
+        compile_seconds=loop.compile_seconds,
         kept=[c.pos.clone() for c in loop.caches],
     )
 
@@ -108,7 +113,7 @@ def stream(
             stream_static(model, tokens, windows, reference, spec.block), tokens, budgets, "parallel"
         )
     else:
-        out = _loop_output(model, tokens, policy, budgets, spec.position_mode, reference, doc, spec.progress)
+        out = _loop_output(model, tokens, policy, budgets, reference, doc, spec)
     out.seconds = time.perf_counter() - start
     if reference is not None and reference.attn is not None:  # NaN past the steps the reference covers
         sink = reference.sink_mass()

@@ -113,6 +113,7 @@ def summarize(model, policy, budget, spec, tokens, b: Batches, per_token) -> dic
     n, nll, o0 = T - 1, per_token["nll"], b.outs[0]
     held = budget if policy.evicts else n  # the full cache holds every scored position
     stream_s = sum(o.seconds for o in b.outs)
+    compile_s = sum(o.compile_seconds for o in b.outs)  # eval.compile: a fixed cost, kept out of the rate
     summary = policy.facts() | {
         "strategy_params": policy.params(),
         "budget": held,
@@ -132,8 +133,12 @@ def summarize(model, policy, budget, spec, tokens, b: Batches, per_token) -> dic
         "kv_bytes_full": kv_bytes(model, full_cache(), 0, T),
         "peak_rss_bytes": peak_rss_bytes(),
         "seconds": b.seconds,
-        "token_steps_per_s": N * n / stream_s,
-        "policy_time_share": sum(o.policy_seconds for o in b.outs) / max(1e-12, stream_s),
+        "token_steps_per_s": N * n / max(1e-12, stream_s - compile_s),
+        "compile_s": compile_s,
+        # a compiled step fuses the policy into the layer: its time cannot be told apart (NaN)
+        "policy_time_share": (
+            float("nan") if compile_s else sum(o.policy_seconds for o in b.outs) / max(1e-12, stream_s)
+        ),
     }
     if "kl" in per_token:  # over the steps the full-cache reference covers
         covered = ~np.isnan(per_token["nll_full"])

@@ -38,14 +38,14 @@ class LayerCache:
         self.count = 0  # entries held (the same for every document and head)
         self.used = 0  # slots written at least once (slots fill in order until the first eviction)
 
-    def write(self, k: torch.Tensor, v: torch.Tensor, t: int, init: dict[str, torch.Tensor]) -> None:
+    def write(self, k: torch.Tensor, v: torch.Tensor, t: int | torch.Tensor, init: dict[str, torch.Tensor]):
         """Store k, v [B, Hkv, 1, D] of position t in the free slot; that slot's state starts at `init`
         (values [B, Hkv, 1, ...]) or zero."""
         B, Hkv, _, D = k.shape
         slot = self.free[:, :, None]
         self.k.scatter_(2, slot[..., None].expand(B, Hkv, 1, D), k)
         self.v.scatter_(2, slot[..., None].expand(B, Hkv, 1, D), v)
-        self.pos.scatter_(2, slot, t)
+        self.pos.scatter_(2, slot, t.expand(slot.shape) if isinstance(t, torch.Tensor) else t)
         for name, st in self.state.items():
             idx = slot.view(B, Hkv, 1, *([1] * (st.dim() - 3))).expand(B, Hkv, 1, *st.shape[3:])
             st.scatter_(2, idx, init[name].to(st.dtype) if name in init else st.new_zeros(idx.shape))
@@ -63,7 +63,7 @@ class LayerCache:
     def evict(self, victim: torch.Tensor) -> None:
         """Empty slot victim [B, Hkv]; the next entry goes there."""
         self.pos.scatter_(2, victim[:, :, None], -1)
-        self.free = victim
+        self.free.copy_(victim)  # the same buffer every step (a compiled step reads it as a graph input)
         self.count -= 1
 
     def advance(self) -> None:
@@ -109,12 +109,18 @@ class RopeTable:
         cos, sin = rope_angles(torch.arange(start, start + n, device=self.like.device), self.dims, self.base)
         return cos.to(self.like.dtype), sin.to(self.like.dtype)
 
-    def at(self, t: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The rows of text position t."""
+    def at(self, t: int | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rows of text position t (a 0-dim tensor t is computed in place: the same values)."""
+        if isinstance(t, torch.Tensor):
+            return self._rows(t)
         if not self.start <= t < self.start + len(self.cos):
             self.start = t - t % self.chunk
             self.cos, self.sin = self._table(self.start, self.chunk)
         return self.cos[t - self.start], self.sin[t - self.start]
+
+    def _rows(self, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        cos, sin = rope_angles(t.view(1), self.dims, self.base)
+        return cos[0].to(self.like.dtype), sin[0].to(self.like.dtype)
 
     def ranks(self, r: torch.Tensor | int) -> tuple[torch.Tensor, torch.Tensor]:
         """The rows of ranks inside a cache (all < slots)."""
@@ -153,12 +159,27 @@ class TokenLoop:
             self.lost = LostAttention(ref, self.groups, B, n, cfg.n_layer, like)
         self.occupancy = torch.empty(n, cfg.n_layer, dtype=torch.long, device=doc.device)
         self.policy_seconds = 0.0
-        self.t = 0
+        self.compile_seconds = 0.0  # the first compiled step: tracing and code generation
+        self.t: int | torch.Tensor = 0
+        self.steady = False  # set by steady_from's caller: steps run without per-step host bookkeeping
 
-    def decode_one_token(self, token: torch.Tensor, t: int) -> torch.Tensor:
-        """token [B, 1] at position t through every layer -> log-probs of the next token [B, V]."""
+    def steady_from(self) -> int | None:
+        """The first step from which every step is the same computation on the same shapes: each layer
+        enters it holding exactly its budget, all of its slots written (step budget + 1 on), writes one
+        entry and evicts one, and no diagnostic reads the step index. None if the stream never gets there."""
+        p = self.policy
+        never_full = any(b + 1 > c.k.shape[2] for b, c in zip(self.budgets, self.caches, strict=True))
+        if not p.evicts or p.needs_future or never_full:
+            return None
+        # a layer with budget b fills its last never-used slot at step b: from step b + 1 on it enters
+        # every step with b entries in all b + 1 slots
+        return max([*(b + 1 for b in self.budgets), self.lost.covered if self.lost is not None else 0])
+
+    def decode_one_token(self, token: torch.Tensor, t: int | torch.Tensor) -> torch.Tensor:
+        """token [B, 1] at position t through every layer -> log-probs of the next token [B, V].
+        In steady state (`self.steady`) t is a 0-dim tensor, so one compiled graph serves every step."""
         self.t = t
-        pos = torch.tensor([t], device=token.device)
+        pos = t.view(1) if isinstance(t, torch.Tensor) else torch.tensor([t], device=token.device)
         return F.log_softmax(self.model.forward_with(token, pos, self.attend)[:, 0], dim=-1)
 
     def attend(self, l: int, a: CausalSelfAttention, h: torch.Tensor) -> torch.Tensor:
@@ -176,6 +197,9 @@ class TokenLoop:
             K = rotate(K, *self.rope.ranks(r))
             q = rotate(q, *self.rope.ranks(cache.count - 1))
         y, row = self.attention(a, q, K, V, P >= 0)
+        if self.steady:  # no diagnostics or occupancy to record: the caller fills occupancy in
+            self.evict(l, cache, P, row)
+            return a.out(y)
         if self.lost is not None:
             self.lost.observe(l, t, P)  # (only the steps the reference covers)
         self.evict(l, cache, P, row)
@@ -202,7 +226,7 @@ class TokenLoop:
         if not (policy.evicts and (policy.needs_attention or cache.count > budget)):
             cache.advance()
             return
-        start = time.perf_counter()
+        start = None if self.steady else time.perf_counter()
         ctx = StepContext(
             t=self.t,
             layer=l,
@@ -219,7 +243,8 @@ class TokenLoop:
             cache.evict(choose_victim(policy.scores(ctx), pos))
         else:
             cache.advance()
-        self.policy_seconds += time.perf_counter() - start
+        if start is not None:
+            self.policy_seconds += time.perf_counter() - start
 
     def future_of(self, l: int):
         """For the oracle: pos [B, Hkv, S] -> the attention later full-cache queries put on them."""
@@ -240,11 +265,17 @@ def stream_loop(
     doc: torch.Tensor,
     generate_from: int | None = None,
     progress: bool = False,
+    compile: bool = False,
 ):
     """Stream tokens [B, T] through the token loop -> (per-token metrics [B, n] by name, the loop).
     Metrics against the full cache are NaN past the steps its reference covers.
     With `generate_from=P`, tokens from position P on are generated greedily (each step's argmax is the
-    next step's input) instead of read, and `tokens` is returned with them filled in."""
+    next step's input) instead of read, and `tokens` is returned with them filled in.
+
+    Once every layer's cache is full (`TokenLoop.steady_from`) each step is the same computation on the
+    same shapes: the loop then passes the step index as a tensor and, with `compile`, runs the step
+    through `torch.compile` (one graph for all steady steps; ~1 min to compile, then several times
+    fewer host round trips per token: worth it on long streams, see README "Long streams")."""
     tokens = tokens.clone() if generate_from is not None else tokens
     inp, tgt = tokens[:, :-1], tokens[:, 1:]  # views: generated tokens become the next inputs
     B, n = inp.shape
@@ -252,11 +283,21 @@ def stream_loop(
     covered = 0 if ref is None else ref.logp.shape[1]  # steps the full-cache reference covers
     names = ["nll", "correct"] + (["kl", "agree"] if ref is not None else [])
     per_token = {name: loop.like.new_full((B, n), float("nan")) for name in names}
+    steady = loop.steady_from()
+    step = loop.decode_one_token
     for t in tqdm(range(n), desc=f"{policy.name} stream", unit="tok", disable=not progress, mininterval=2):
-        logp = loop.decode_one_token(inp[:, t : t + 1], t)
+        if t == steady:
+            loop.steady = True
+            loop.occupancy[t:] = torch.tensor(budgets, device=loop.occupancy.device)
+            step = torch.compile(loop.decode_one_token, dynamic=False) if compile else step
+        first_compiled = compile and t == steady
+        start = time.perf_counter() if first_compiled else 0.0
+        logp = step(inp[:, t : t + 1], torch.tensor(t, device=inp.device) if loop.steady else t)
+        if first_compiled:
+            loop.compile_seconds = time.perf_counter() - start
         if generate_from is not None and t + 1 >= generate_from:
             tokens[:, t + 1] = logp.argmax(-1)
-        step = token_metrics(logp, tgt[:, t], ref.logp[:, t] if t < covered else None)
-        for name, value in step.items():
+        metrics = token_metrics(logp, tgt[:, t], ref.logp[:, t] if t < covered else None)
+        for name, value in metrics.items():
             per_token[name][:, t] = value
     return per_token, loop, tokens

@@ -40,7 +40,9 @@ class Scissorhands(Policy):
         valid = ctx.valid
         held = valid.sum(dim=-1, keepdim=True)  # [B, Hkv, 1]
         low = (ctx.attn < self.threshold / held) & valid
-        ctx.state["low"][..., ctx.t % self.history_window] = low
+        # the step's column of the ring buffer; index_copy_ takes a tensor step index too (compiled loop)
+        column = torch.as_tensor(ctx.t % self.history_window, device=low.device).view(1)
+        ctx.state["low"].index_copy_(-1, column, low[..., None])
 
     def scores(self, ctx: StepContext) -> torch.Tensor:
         count = ctx.state["low"].sum(dim=-1).to(ctx.keys.dtype)
