@@ -73,6 +73,15 @@ def test_every_point_of_every_experiment_grid_composes(experiment: str):
     assert skipped < len(points)
 
 
+@pytest.mark.parametrize("experiment", EXPERIMENTS)
+def test_every_experiment_base_config_validates(experiment: str):
+    """`make sweep EXP=...` first trains from the experiment's config without its sweep overrides: that
+    config must be valid on its own (long_stream_1m once failed here: its default full cache could not
+    run 2^20 tokens)."""
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        to_objects(compose("config", overrides=[f"+experiment={experiment}"]))
+
+
 def test_the_grid_reader_expands_a_sweep():
     points = grid("default")  # strategy: glob(*) = every registered policy
     assert len(points) == len(POLICIES) * 3 * 2 and ["strategy=full", "budget=b32", "seed=0"] in points
