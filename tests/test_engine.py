@@ -199,3 +199,30 @@ def test_compiled_steady_step_equals_the_eager_loop(model, tokens, name, mode):
     assert compiled.compile_seconds > 0 and eager.compile_seconds == 0
     for a, b in zip(compiled.kept, eager.kept, strict=True):
         assert torch.equal(a.sort(-1).values, b.sort(-1).values)
+
+
+def test_shared_reference_is_computed_once_and_read_by_later_runs(model, tokens, tmp_path):
+    """Runs on the same checkpoint and streams share the full cache's log-probs (diagnostics off): the
+    first computes and stores them, the next reads them and gets exactly what it would have computed;
+    a damaged file is recomputed; other tokens get another entry."""
+    from evictlab.eval.shared import SharedReferences
+
+    spec = StreamSpec(diagnostics=False)
+    first, second = SharedReferences(tmp_path, "ck-1"), SharedReferences(tmp_path, "ck-1")
+    a = evaluate(model, tokens, make_policy("h2o"), 8, spec, first)
+    b = evaluate(model, tokens, make_policy("window"), 8, spec, second)
+    alone = evaluate(model, tokens, make_policy("window"), 8, spec)
+    assert (first.computed, first.read, second.computed, second.read) == (1, 0, 0, 1)
+    np.testing.assert_array_equal(b.per_token["nll_full"], a.per_token["nll_full"])
+    for name in ("nll_full", "kl", "agree"):
+        np.testing.assert_array_equal(b.per_token[name], alone.per_token[name])
+    (stored,) = tmp_path.glob("*.safetensors")
+    stored.write_bytes(b"not a safetensors file")
+    third = SharedReferences(tmp_path, "ck-1")
+    c = evaluate(model, tokens, make_policy("window"), 8, spec, third)
+    assert third.computed == 1 and third.read == 0
+    np.testing.assert_array_equal(c.per_token["kl"], alone.per_token["kl"])
+    evaluate(model, tokens.flip(1), make_policy("window"), 8, spec, third)
+    other = SharedReferences(tmp_path, "ck-2")  # another checkpoint: its own entry
+    evaluate(model, tokens, make_policy("window"), 8, spec, other)
+    assert third.computed == 2 and other.computed == 1 and len(list(tmp_path.glob("*.safetensors"))) == 3

@@ -89,6 +89,17 @@ def test_run_key_ignores_logging_and_threads_but_not_results(outputs: Path):
     assert run_mod.run_key(cfg_for(outputs, "budget=b16")) == run_mod.run_key(cfg_for(outputs, "budget=b32"))
 
 
+def test_runs_of_a_sweep_share_the_full_cache_reference(outputs: Path):
+    """Two runs on one checkpoint and the same streams: the second reads the first's full-cache log-probs
+    from outputs/cache/references (diagnostics off), and says so in metrics.json."""
+    args = ("budget=b16", "logger=none", "eval.diagnostics=false", "group=shared")
+    first = run_mod.run(cfg_for(outputs, "strategy=h2o", *args))
+    second = run_mod.run(cfg_for(outputs, "strategy=window", *args))
+    assert (first["full_reference_shared"], second["full_reference_shared"]) == (0, 1)
+    assert len(list((outputs / "cache" / "references").glob("*.safetensors"))) == 1
+    assert first["ppl_full"] == second["ppl_full"]
+
+
 def test_a_failed_run_records_the_error_and_reraises(outputs: Path, monkeypatch):
     def boom(*a, **k):
         raise RuntimeError("simulated crash in the engine")

@@ -36,6 +36,7 @@ from evictlab.data.recall import RecallBatch, recall_streams
 from evictlab.data.streams import eval_streams
 from evictlab.errors import DivergedError
 from evictlab.eval.evaluate import EvalResult, evaluate, greedy_divergence, recall_accuracy
+from evictlab.eval.shared import SharedReferences
 from evictlab.eval.sinks import sink_metrics
 from evictlab.eval.spec import check_positions
 from evictlab.models.gpt import GPT
@@ -170,8 +171,11 @@ class RunStages:
         with clock("streams"):
             tokens, recall = self.streams(corpus, model)
         policy, budget, spec = self.cfg.strategy.build(), self.cfg.resolved_budget, self.cfg.eval.spec()
+        # the full cache's log-probs on these streams: computed by the sweep's first run, read by the rest
+        checkpoint = f"{ck.path.name}:{ck.meta.get('weights_sha256', '')}"
+        shared = SharedReferences(self.cfg.outputs / "cache" / "references", checkpoint)
         with clock("evaluate"):
-            res = evaluate(model, tokens, policy, budget, spec)
+            res = evaluate(model, tokens, policy, budget, spec, shared)
         if not math.isfinite(res.summary["ppl"]):
             bad = int((~np.isfinite(res.per_token["nll"])).sum())
             ppl = res.summary["ppl"]
@@ -181,7 +185,7 @@ class RunStages:
         res.layers = pd.concat([res.layers, sink_layers], ignore_index=True)
         with clock("files"):
             curve = self.write_results(res)
-        metrics = self.identity(ck) | res.summary | sink
+        metrics = self.identity(ck) | res.summary | sink | {"full_reference_shared": shared.read}
         with clock("tasks"):
             if recall is not None:
                 metrics |= self.recall_metrics(recall_accuracy(model, recall, policy, budget, spec, res))

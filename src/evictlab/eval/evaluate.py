@@ -18,6 +18,7 @@ from evictlab.cache.policies import Policy, full_cache
 from evictlab.errors import ConfigError
 from evictlab.eval.engine import StreamOutput, generate, stream
 from evictlab.eval.full import FullReference, full_reference
+from evictlab.eval.shared import SharedReferences
 from evictlab.eval.spec import DEFAULT, StreamSpec
 from evictlab.eval.static import full_logp
 from evictlab.models.gpt import GPT
@@ -70,16 +71,27 @@ def check_reference_cap(policy: Policy, n: int, spec: StreamSpec) -> None:
     )
 
 
-def reference_for(model: GPT, batch: torch.Tensor, policy: Policy, spec: StreamSpec) -> FullReference:
+def reference_for(
+    model: GPT, batch: torch.Tensor, policy: Policy, spec: StreamSpec, shared: SharedReferences | None = None
+) -> FullReference:
     """The full-cache run of a batch over its first spec.full_max_len predictions: with attention weights
-    when diagnostics (or the policy) need them, else chunked over a growing KV cache (no [T, T] matrix)."""
+    when diagnostics (or the policy) need them, else chunked over a growing KV cache (no [T, T] matrix),
+    read from `shared` when another run has computed it (eval/shared.py)."""
     batch = batch[:, : spec.full_max_len + 1]
     if spec.diagnostics or policy.needs_future:
         return full_reference(model, batch, attention=True, future=policy.needs_future)
-    return FullReference(logp=full_logp(model, batch, spec.block), attn=None)
+    logp = shared.logp(model, batch, spec) if shared is not None else full_logp(model, batch, spec.block)
+    return FullReference(logp=logp, attn=None)
 
 
-def run_batches(model: GPT, tokens: torch.Tensor, policy: Policy, budget: int, spec: StreamSpec) -> Batches:
+def run_batches(
+    model: GPT,
+    tokens: torch.Tensor,
+    policy: Policy,
+    budget: int,
+    spec: StreamSpec,
+    shared: SharedReferences | None = None,
+) -> Batches:
     """Stream every row of tokens [N, T] under the policy, spec.batch_size rows at a time, each batch
     against its own full-cache run."""
     check_reference_cap(policy, tokens.shape[1] - 1, spec)
@@ -88,7 +100,7 @@ def run_batches(model: GPT, tokens: torch.Tensor, policy: Policy, budget: int, s
     starts = list(range(0, tokens.shape[0], spec.batch_size))
     for b0 in tqdm(starts, desc=f"{policy.name} b={budget}", disable=not spec.progress, unit="batch"):
         batch = tokens[b0 : b0 + spec.batch_size]
-        refs.append(reference_for(model, batch, policy, spec))
+        refs.append(reference_for(model, batch, policy, spec, shared))
         doc = torch.arange(b0, b0 + batch.shape[0], device=tokens.device)
         outs.append(stream(model, batch, policy, budget, spec, reference=refs[-1], doc=doc))
     return Batches(starts, outs, refs, time.perf_counter() - start)
@@ -189,10 +201,16 @@ def attention_by_key(b: Batches) -> np.ndarray | None:
 
 
 def evaluate(
-    model: GPT, tokens: torch.Tensor, policy: Policy, budget: int, spec: StreamSpec = DEFAULT
+    model: GPT,
+    tokens: torch.Tensor,
+    policy: Policy,
+    budget: int,
+    spec: StreamSpec = DEFAULT,
+    shared: SharedReferences | None = None,
 ) -> EvalResult:
-    """Stream every row of tokens [N, T] under the policy, in batches, against the full cache."""
-    b = run_batches(model, tokens, policy, budget, spec)
+    """Stream every row of tokens [N, T] under the policy, in batches, against the full cache (its
+    log-probs read from `shared` when another run of the sweep computed them)."""
+    b = run_batches(model, tokens, policy, budget, spec, shared)
     per_token = collect_per_token(b, tokens)
     summary = summarize(model, policy, budget, spec, tokens, b, per_token)
     return EvalResult(per_token, summary, layer_table(b, per_token), attention_by_key(b))
