@@ -18,6 +18,8 @@ from evictlab.eval.evaluate import evaluate, kv_bytes
 from evictlab.models.gpt import GPT, GPTConfig
 from tests.conftest import make_cfg
 
+DEFAULT_SPEC = StreamSpec()
+
 
 @pytest.fixture(scope="module")
 def model():
@@ -226,3 +228,20 @@ def test_shared_reference_is_computed_once_and_read_by_later_runs(model, tokens,
     other = SharedReferences(tmp_path, "ck-2")  # another checkpoint: its own entry
     evaluate(model, tokens, make_policy("window"), 8, spec, other)
     assert third.computed == 2 and other.computed == 1 and len(list(tmp_path.glob("*.safetensors"))) == 3
+
+
+def test_shared_reference_with_attention_rows(model, tokens, tmp_path):
+    """With diagnostics on the shared entry holds the attention rows too: a later run's attention-lost
+    diagnostic and the oracle (its future attention derived on load) equal what they compute alone."""
+    from evictlab.eval.shared import SharedReferences
+
+    shared = SharedReferences(tmp_path, "ck")
+    evaluate(model, tokens, make_policy("h2o"), 8, DEFAULT_SPEC, shared)
+    for name in ("tova", "oracle"):
+        got = evaluate(model, tokens, make_policy(name), 8, DEFAULT_SPEC, shared)
+        alone = evaluate(model, tokens, make_policy(name), 8, DEFAULT_SPEC)
+        for key in ("nll", "kl", "lost", "sink_mass"):
+            np.testing.assert_array_equal(got.per_token[key], alone.per_token[key])
+        np.testing.assert_array_equal(got.attention_by_key, alone.attention_by_key)
+    assert (shared.computed, shared.read) == (1, 2)
+    assert len(list(tmp_path.glob("*.safetensors"))) == 1  # the chunked (diagnostics off) kind is another

@@ -78,10 +78,12 @@ def reference_for(
     when diagnostics (or the policy) need them, else chunked over a growing KV cache (no [T, T] matrix),
     read from `shared` when another run has computed it (eval/shared.py)."""
     batch = batch[:, : spec.full_max_len + 1]
-    if spec.diagnostics or policy.needs_future:
-        return full_reference(model, batch, attention=True, future=policy.needs_future)
-    logp = shared.logp(model, batch, spec) if shared is not None else full_logp(model, batch, spec.block)
-    return FullReference(logp=logp, attn=None)
+    attention, future = spec.diagnostics or policy.needs_future, policy.needs_future
+    if shared is not None:
+        return shared.reference(model, batch, spec, attention, future)
+    if attention:
+        return full_reference(model, batch, attention=True, future=future)
+    return FullReference(logp=full_logp(model, batch, spec.block), attn=None)
 
 
 def run_batches(

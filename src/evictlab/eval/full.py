@@ -84,7 +84,7 @@ class _ExplicitCausal:
         return a.out((w @ v.repeat_interleave(G, 1)).transpose(1, 2).reshape(B, n, H * D))
 
 
-def _future_attention(weights: list[torch.Tensor], Hkv: int) -> list[torch.Tensor]:
+def future_attention(weights: list[torch.Tensor], Hkv: int) -> list[torch.Tensor]:
     """Per layer [B, Hkv, n, n]: the attention key j receives from the queries after step i, summed over
     the query heads of each KV head."""
     out = []
@@ -105,5 +105,5 @@ def full_reference(
     pos = torch.arange(inp.shape[1], device=tokens.device)
     attend = _ExplicitCausal(inp.shape[1], pos, keep=attention or future)
     logp = F.log_softmax(model.forward_with(inp, pos, attend), dim=-1)
-    fut = _future_attention(attend.weights, model.cfg.kv_heads) if future else None
+    fut = future_attention(attend.weights, model.cfg.kv_heads) if future else None
     return FullReference(logp=logp, attn=attend.weights if attention else None, future=fut)

@@ -7,9 +7,10 @@ outputs/cache/references/<key>.safetensors: the first run that needs one compute
 file's lock, the others wait and read it. The key holds what the numbers depend on: the checkpoint (its
 folder name and weights hash), the exact tokens, the reference's cap, the block size, dtype and device.
 
-Only the log-probs are shared (the chunked reference of `eval.diagnostics=false` runs). With diagnostics
-on, the attention rows a run needs are [B, H, n, n] per layer, and the policy-specific diagnostics read
-them: those runs compute their reference themselves, as before (it is a short stream's forward).
+With `eval.diagnostics=false` the entry is the chunked reference's log-probs only. With diagnostics on it
+also holds the attention rows, [B, H, n, n] per layer (134 MB for the default sweep's 8 x 512 tokens of
+gpt_small), since the attention-lost diagnostic of every policy reads them; the oracle's future attention
+is derived from them on load. The two kinds are separate entries (their log-probs differ by rounding).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import torch
 from filelock import FileLock
 from safetensors.torch import load_file, save_file
 
+from evictlab.eval.full import FullReference, future_attention, full_reference
 from evictlab.eval.spec import StreamSpec
 from evictlab.eval.static import full_logp
 from evictlab.models.gpt import GPT
@@ -34,33 +36,51 @@ class SharedReferences:
         self.root, self.checkpoint = Path(root), checkpoint
         self.computed = self.read = 0  # batches this process computed / read from the store
 
-    def key(self, model: GPT, batch: torch.Tensor, spec: StreamSpec) -> str:
+    def key(self, model: GPT, batch: torch.Tensor, spec: StreamSpec, attention: bool) -> str:
         tokens = hashlib.sha256(batch.detach().cpu().numpy().tobytes()).hexdigest()
         dtype, device = model.wte.weight.dtype, batch.device.type
-        settings = {"shape": list(batch.shape), "block": spec.block, "dtype": str(dtype), "device": device}
+        settings = {"shape": list(batch.shape), "dtype": str(dtype), "device": device, "attention": attention}
+        settings["block"] = None if attention else spec.block  # the explicit forward has no blocks
         return stable_hash({"checkpoint": self.checkpoint, "tokens": tokens, **settings})
 
-    def logp(self, model: GPT, batch: torch.Tensor, spec: StreamSpec) -> torch.Tensor:
-        """[B, n, V] full-cache log-probs of batch [B, n + 1] (already cut to the reference's cap)."""
-        path = self.root / f"{self.key(model, batch, spec)}.safetensors"
+    def reference(
+        self, model: GPT, batch: torch.Tensor, spec: StreamSpec, attention: bool, future: bool = False
+    ) -> FullReference:
+        """The full-cache run of batch [B, n + 1] (already cut to the reference's cap): log-probs [B, n, V]
+        and, with `attention`, the attention rows per layer (and the future attention when asked)."""
+        path = self.root / f"{self.key(model, batch, spec, attention)}.safetensors"
         path.parent.mkdir(parents=True, exist_ok=True)
+        L, n = model.cfg.n_layer, batch.shape[1] - 1
         with FileLock(str(path) + ".lock"):
-            stored = self._load(path, (batch.shape[0], batch.shape[1] - 1))
+            stored = self._load(path, L if attention else 0, (batch.shape[0], n))
             if stored is not None:
                 self.read += 1
-                return stored.to(batch.device)
-            logp = full_logp(model, batch, spec.block)
-            write_atomic(path, lambda p: save_file({"logp": logp.detach().cpu().contiguous()}, str(p)))
+                stored = {k: v.to(batch.device) for k, v in stored.items()}
+                attn = [stored[f"attn{l}"] for l in range(L)] if attention else None
+                fut = future_attention(attn, model.cfg.kv_heads) if future else None
+                return FullReference(logp=stored["logp"], attn=attn, future=fut)
+            if attention:
+                ref = full_reference(model, batch, attention=True, future=future)
+                tensors = {"logp": ref.logp, **{f"attn{l}": w for l, w in enumerate(ref.attn)}}
+            else:
+                ref = FullReference(logp=full_logp(model, batch, spec.block), attn=None)
+                tensors = {"logp": ref.logp}
+            tensors = {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
+            write_atomic(path, lambda p: save_file(tensors, str(p)))
             self.computed += 1
-            return logp
+            return ref
 
     @staticmethod
-    def _load(path: Path, shape: tuple[int, int]) -> torch.Tensor | None:
-        """The stored log-probs, or None if absent or unreadable (then recomputed and rewritten)."""
+    def _load(path: Path, layers: int, shape: tuple[int, int]) -> dict[str, torch.Tensor] | None:
+        """The stored tensors, or None if absent, unreadable or not what the request needs (then recomputed
+        and rewritten)."""
         if not path.exists():
             return None
         try:
-            logp = load_file(str(path))["logp"]
+            stored = load_file(str(path))
         except Exception:  # a damaged file is recomputed, like a damaged checkpoint
             return None
-        return logp if tuple(logp.shape[:2]) == shape and torch.isfinite(logp).all() else None
+        names = {"logp", *(f"attn{l}" for l in range(layers))}
+        if set(stored) != names or tuple(stored["logp"].shape[:2]) != shape:
+            return None
+        return stored if all(torch.isfinite(v).all() for v in stored.values()) else None
