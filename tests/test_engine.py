@@ -230,7 +230,7 @@ def test_shared_reference_is_computed_once_and_read_by_later_runs(model, tokens,
     assert third.computed == 2 and other.computed == 1 and len(list(tmp_path.glob("*.safetensors"))) == 3
 
 
-def test_shared_reference_with_attention_rows(model, tokens, tmp_path):
+def test_shared_reference_with_attention_rows(model, tokens, tmp_path, monkeypatch):
     """With diagnostics on the shared entry holds the attention rows too: a later run's attention-lost
     diagnostic and the oracle (its future attention derived on load) equal what they compute alone."""
     from evictlab.eval.shared import SharedReferences
@@ -245,3 +245,7 @@ def test_shared_reference_with_attention_rows(model, tokens, tmp_path):
         np.testing.assert_array_equal(got.attention_by_key, alone.attention_by_key)
     assert (shared.computed, shared.read) == (1, 2)
     assert len(list(tmp_path.glob("*.safetensors"))) == 1  # the chunked (diagnostics off) kind is another
+    monkeypatch.setattr("evictlab.eval.shared.MAX_BYTES", 1000)  # too big to store: computed each time
+    evaluate(model, tokens.flip(1), make_policy("tova"), 8, DEFAULT_SPEC, shared)
+    evaluate(model, tokens.flip(1), make_policy("tova"), 8, DEFAULT_SPEC, shared)
+    assert shared.computed == 3 and len(list(tmp_path.glob("*.safetensors"))) == 1

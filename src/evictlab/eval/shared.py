@@ -11,6 +11,7 @@ With `eval.diagnostics=false` the entry is the chunked reference's log-probs onl
 also holds the attention rows, [B, H, n, n] per layer (134 MB for the default sweep's 8 x 512 tokens of
 gpt_small), since the attention-lost diagnostic of every policy reads them; the oracle's future attention
 is derived from them on load. The two kinds are separate entries (their log-probs differ by rounding).
+An entry over MAX_BYTES (1 GiB: the attention rows of a long stream) is not stored: each run computes it.
 """
 
 from __future__ import annotations
@@ -27,6 +28,9 @@ from evictlab.eval.spec import StreamSpec
 from evictlab.eval.static import full_logp
 from evictlab.models.gpt import GPT
 from evictlab.store import stable_hash, write_atomic
+
+
+MAX_BYTES = 1 << 30  # larger entries (attention rows of long streams) are computed by each run, not stored
 
 
 class SharedReferences:
@@ -65,9 +69,11 @@ class SharedReferences:
             else:
                 ref = FullReference(logp=full_logp(model, batch, spec.block), attn=None)
                 tensors = {"logp": ref.logp}
+            self.computed += 1
+            if sum(v.numel() * v.element_size() for v in tensors.values()) > MAX_BYTES:
+                return ref
             tensors = {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
             write_atomic(path, lambda p: save_file(tensors, str(p)))
-            self.computed += 1
             return ref
 
     @staticmethod
