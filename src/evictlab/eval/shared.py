@@ -23,12 +23,11 @@ import torch
 from filelock import FileLock
 from safetensors.torch import load_file, save_file
 
-from evictlab.eval.full import FullReference, future_attention, full_reference
+from evictlab.eval.full import FullReference, full_reference, future_attention
 from evictlab.eval.spec import StreamSpec
 from evictlab.eval.static import full_logp
 from evictlab.models.gpt import GPT
 from evictlab.store import stable_hash, write_atomic
-
 
 MAX_BYTES = 1 << 30  # larger entries (attention rows of long streams) are computed by each run, not stored
 
