@@ -299,3 +299,20 @@ def test_cost_vs_budget_is_the_paired_ratio_and_gives_outliers_their_own_panel()
     one = F.cost_vs_budget(streams[streams["strategy"] != "l2norm"])
     assert len(one.axes) == 1
     plt.close(one)
+
+
+def test_nll_vs_position_keeps_one_stream_length():
+    """A group can hold streams of several lengths (long_stream, long_stream_1m): `stream_len` draws one."""
+    import matplotlib.pyplot as plt
+
+    short = synthetic_curves().assign(stream_len=129)
+    long = synthetic_curves().assign(stream_len=1025, nll=lambda d: d["nll"] + 5)
+    both = pd.concat([short, long], ignore_index=True)
+    fig = F.nll_vs_position(both, 16, stream_len=129)
+    tops = [line.get_ydata().max() for line in fig.axes[0].get_lines() if len(line.get_ydata()) > 2]
+    assert tops and max(tops) < 3  # no line from the 1025-token runs (their NLL is 5 higher)
+    fig_all = F.nll_vs_position(both, 16)
+    assert (
+        max(line.get_ydata().max() for line in fig_all.axes[0].get_lines() if len(line.get_ydata()) > 2) > 3
+    )
+    plt.close("all")

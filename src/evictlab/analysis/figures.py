@@ -196,14 +196,21 @@ def cost_vs_budget(streams: pd.DataFrame, mode: str = "original", outlier: float
 
 
 def nll_vs_position(
-    curves: pd.DataFrame, budget: int, mode: str = "original", context: int | None = None
+    curves: pd.DataFrame,
+    budget: int,
+    mode: str = "original",
+    context: int | None = None,
+    stream_len: int | None = None,
 ) -> Figure:
     """Mean NLL by token position (log x) per policy at one budget: StreamingLLM's Figure 3. `context`: the
     model's training context, marked (past it the full cache attends beyond the positions it was
-    trained on); a line stops where its run's stream (or the full-cache reference's cap) ends."""
+    trained on); a line stops where its run's stream (or the full-cache reference's cap) ends.
+    `stream_len`: only the runs of that stream length (a group can hold streams of several lengths)."""
     theme()
     P = Policies(curves)
     at = (curves["budget"] == budget) | ~curves["evicts"].astype(bool)
+    if stream_len is not None:
+        at &= curves["stream_len"] == stream_len
     c = curves[(curves["position_mode"] == mode) & at]
     c = c.groupby(["strategy", "position"], as_index=False)["nll"].mean()
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
