@@ -249,3 +249,22 @@ def test_shared_reference_with_attention_rows(model, tokens, tmp_path, monkeypat
     evaluate(model, tokens.flip(1), make_policy("tova"), 8, DEFAULT_SPEC, shared)
     evaluate(model, tokens.flip(1), make_policy("tova"), 8, DEFAULT_SPEC, shared)
     assert shared.computed == 3 and len(list(tmp_path.glob("*.safetensors"))) == 1
+
+
+def test_compile_failure_falls_back_to_the_eager_loop(model, tokens, monkeypatch):
+    """A machine where torch.compile cannot build the step (no C++ compiler) warns once and streams eager."""
+    import evictlab.eval.loop as loop_mod
+
+    def broken(fn, **kwargs):
+        def step(*args):
+            raise RuntimeError("InductorError: no working C++ compiler found")
+
+        return step
+
+    monkeypatch.setattr(loop_mod.torch, "compile", broken)
+    spec = StreamSpec(diagnostics=False, force_loop=True)
+    eager = stream(model, tokens, make_policy("h2o"), 12, spec)
+    with pytest.warns(UserWarning, match="torch.compile failed .*runs eager"):
+        compiled = StreamSpec(**{**vars(spec), "compile": True})
+        fallback = stream(model, tokens, make_policy("h2o"), 12, compiled)
+    np.testing.assert_array_equal(fallback.nll, eager.nll)

@@ -14,6 +14,7 @@ after step t-1 (at most `budget`) plus itself; then the cache is evicted back to
 from __future__ import annotations
 
 import time
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -292,7 +293,17 @@ def stream_loop(
             step = torch.compile(loop.decode_one_token, dynamic=False) if compile else step
         first_compiled = compile and t == steady
         start = time.perf_counter() if first_compiled else 0.0
-        logp = step(inp[:, t : t + 1], torch.tensor(t, device=inp.device) if loop.steady else t)
+        t_in = torch.tensor(t, device=inp.device) if loop.steady else t
+        try:
+            logp = step(inp[:, t : t + 1], t_in)
+        except Exception as e:  # compilation fails before the step runs: no C++ compiler, an unsupported op
+            if not first_compiled:
+                raise
+            first = (str(e).strip().splitlines() or [""])[0]
+            why = f"{type(e).__name__}: {first}"
+            warnings.warn(f"eval.compile: torch.compile failed ({why}); the token loop runs eager", stacklevel=2)
+            step = loop.decode_one_token
+            logp = step(inp[:, t : t + 1], t_in)
         if first_compiled:
             loop.compile_seconds = time.perf_counter() - start
         if generate_from is not None and t + 1 >= generate_from:
