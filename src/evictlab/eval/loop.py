@@ -301,7 +301,7 @@ def stream_loop(
                 raise
             first = (str(e).strip().splitlines() or [""])[0]
             why = f"{type(e).__name__}: {first}"
-            warnings.warn(f"eval.compile: torch.compile failed ({why}); the token loop runs eager", stacklevel=2)
+            warnings.warn(f"eval.compile: torch.compile failed ({why}); the loop runs eager", stacklevel=2)
             step = loop.decode_one_token
             logp = step(inp[:, t : t + 1], t_in)
         if first_compiled:
