@@ -200,8 +200,8 @@ class EvalConfig:
     # the full-cache reference (nll_full, KL, agreement, attention diagnostics) covers at most this many
     # predictions per stream; past it those metrics are absent (NaN), and the full cache cannot run
     full_max_len: int = field(default=4096, metadata=neutral(4096))
-    # torch.compile the token loop's steady-state step: ~30-60 s to compile, then several times faster per
-    # token (README "Long streams"); per-token NLL moves by float rounding only (<= 1e-6), like eval.threads
+    # torch.compile the token loop's steady-state step: 3-15 s to compile here, then ~2.7x the eager token
+    # rate (README "Long streams"); per-token NLL moves by float rounding only (<= 1e-6), like eval.threads
     compile: bool = field(default=False, metadata=KEYLESS)
     generate_tokens: int = 0  # > 0: greedy continuations of this many tokens vs the full cache's
     task: EvalTask = EvalTask.lm

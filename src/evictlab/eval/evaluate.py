@@ -79,11 +79,13 @@ def reference_for(
     read from `shared` when another run has computed it (eval/shared.py)."""
     batch = batch[:, : spec.full_max_len + 1]
     attention, future = spec.diagnostics or policy.needs_future, policy.needs_future
-    if shared is not None:
-        return shared.reference(model, batch, spec, attention, future)
-    if attention:
-        return full_reference(model, batch, attention=True, future=future)
-    return FullReference(logp=full_logp(model, batch, spec.block), attn=None)
+
+    def compute() -> FullReference:
+        if attention:
+            return full_reference(model, batch, attention=True, future=future)
+        return FullReference(logp=full_logp(model, batch, spec.block), attn=None)
+
+    return compute() if shared is None else shared.reference(model, batch, spec, attention, future, compute)
 
 
 def run_batches(

@@ -5,27 +5,29 @@ checkpoint, so without sharing each run repeats the same forward (O(T^2) per str
 for one 65,536-token stream here). `SharedReferences` keeps the full cache's log-probs under
 outputs/cache/references/<key>.safetensors: the first run that needs one computes it while holding the
 file's lock, the others wait and read it. The key holds what the numbers depend on: the checkpoint (its
-folder name and weights hash), the exact tokens, the reference's cap, the block size, dtype and device.
+folder name and weights hash), the exact tokens (cut to the reference's cap), the block size, dtype and
+device. How a reference is computed stays in `evaluate.reference_for`; this module only stores it.
 
 With `eval.diagnostics=false` the entry is the chunked reference's log-probs only. With diagnostics on it
-also holds the attention rows, [B, H, n, n] per layer (134 MB for the default sweep's 8 x 512 tokens of
-gpt_small), since the attention-lost diagnostic of every policy reads them; the oracle's future attention
-is derived from them on load. The two kinds are separate entries (their log-probs differ by rounding).
+also holds the attention rows, [B, H, n, n] per layer (8 x 4 x 512 x 512 x 4 layers of float32 = 134 MB
+for the default sweep's streams on gpt_small), since the attention-lost diagnostic of every policy reads
+them; the oracle's future attention is derived from them on load. The two kinds are separate entries
+(their log-probs differ by rounding).
 An entry over MAX_BYTES (1 GiB: the attention rows of a long stream) is not stored: each run computes it.
 """
 
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 from filelock import FileLock
 from safetensors.torch import load_file, save_file
 
-from evictlab.eval.full import FullReference, full_reference, future_attention
+from evictlab.eval.full import FullReference, future_attention
 from evictlab.eval.spec import StreamSpec
-from evictlab.eval.static import full_logp
 from evictlab.models.gpt import GPT
 from evictlab.store import stable_hash, write_atomic
 
@@ -47,10 +49,17 @@ class SharedReferences:
         return stable_hash({"checkpoint": self.checkpoint, "tokens": tokens, **settings})
 
     def reference(
-        self, model: GPT, batch: torch.Tensor, spec: StreamSpec, attention: bool, future: bool = False
+        self,
+        model: GPT,
+        batch: torch.Tensor,
+        spec: StreamSpec,
+        attention: bool,
+        future: bool,
+        compute: Callable[[], FullReference],
     ) -> FullReference:
         """The full-cache run of batch [B, n + 1] (already cut to the reference's cap): log-probs [B, n, V]
-        and, with `attention`, the attention rows per layer (and the future attention when asked)."""
+        and, with `attention`, the attention rows per layer (and the future attention when asked), read
+        from the store, or `compute()`d and stored."""
         path = self.root / f"{self.key(model, batch, spec, attention)}.safetensors"
         path.parent.mkdir(parents=True, exist_ok=True)
         L, n = model.cfg.n_layer, batch.shape[1] - 1
@@ -62,12 +71,8 @@ class SharedReferences:
                 attn = [stored[f"attn{l}"] for l in range(L)] if attention else None
                 fut = future_attention(attn, model.cfg.kv_heads) if future else None
                 return FullReference(logp=stored["logp"], attn=attn, future=fut)
-            if attention:
-                ref = full_reference(model, batch, attention=True, future=future)
-                tensors = {"logp": ref.logp, **{f"attn{l}": w for l, w in enumerate(ref.attn)}}
-            else:
-                ref = FullReference(logp=full_logp(model, batch, spec.block), attn=None)
-                tensors = {"logp": ref.logp}
+            ref = compute()
+            tensors = {"logp": ref.logp, **{f"attn{l}": w for l, w in enumerate(ref.attn or [])}}
             self.computed += 1
             if sum(v.numel() * v.element_size() for v in tensors.values()) > MAX_BYTES:
                 return ref
