@@ -190,10 +190,19 @@ def test_steady_state_starts_once_every_cache_is_full(model):
     assert steady("full", [8] * 4) is None
 
 
-@pytest.mark.parametrize("name, mode", [("scissorhands", "original"), ("tova", "cache")])
-def test_compiled_steady_step_equals_the_eager_loop(model, tokens, name, mode):
+@pytest.mark.parametrize(
+    "name, mode, smear", [("scissorhands", "original", 0), ("tova", "cache", 0), ("h2o", "original", 1)]
+)
+def test_compiled_steady_step_equals_the_eager_loop(model, tokens, name, mode, smear):
     """eval.compile runs the steady-state step through torch.compile: the same per-token numbers up to
-    float rounding, the same entries kept, and the compilation is timed apart."""
+    float rounding, the same entries kept, and the compilation is timed apart (smear: a model with smeared
+    keys, whose step also carries each layer's previous raw key)."""
+    if smear:
+        torch.manual_seed(0)
+        cfg = GPTConfig(
+            name="t", vocab_size=40, n_layer=2, n_head=4, n_embd=32, init_std=0.5, smear_keys=True
+        )
+        model = GPT(cfg).eval()
     spec = StreamSpec(position_mode=mode, diagnostics=False, force_loop=True)
     eager = stream(model, tokens, make_policy(name), 12, spec)
     compiled = stream(model, tokens, make_policy(name), 12, StreamSpec(**{**vars(spec), "compile": True}))

@@ -17,7 +17,8 @@ def tiny(**kw) -> GPT:
 
 
 @pytest.mark.parametrize(
-    "kw", [{}, {"n_kv_head": 2}, {"n_kv_head": 1}, {"pos_emb": "learned", "block_size": 64}]
+    "kw",
+    [{}, {"n_kv_head": 2}, {"n_kv_head": 1}, {"pos_emb": "learned", "block_size": 64}, {"smear_keys": True}],
 )
 def test_shapes_and_causality(kw):
     model = tiny(**kw)
@@ -36,6 +37,24 @@ def test_gqa_stores_kv_heads_only():
     attn = model.blocks[0].attn
     q, k, v = attn.project(torch.randn(2, 5, 32, dtype=torch.float64))
     assert q.shape == (2, 4, 5, 8) and k.shape == (2, 2, 5, 8) and v.shape == (2, 2, 5, 8)
+
+
+def test_smeared_keys_mix_in_the_previous_key_and_stream_in_pieces():
+    """k'_j = s k_j + (1 - s) k_(j-1) per KV head (k_(-1) = 0); a sequence smeared in two pieces, the second
+    given the first's last raw key, equals it smeared at once; without the switch there is no parameter."""
+    assert tiny().blocks[0].attn.smear_logit is None
+    assert not any("smear" in name for name in tiny().state_dict())  # old checkpoints load unchanged
+    attn = tiny(smear_keys=True, n_kv_head=2).blocks[0].attn
+    assert attn.smear_logit.shape == (2,) and attn.smear_logit.dim() < 2  # 1-D: never weight-decayed
+    with torch.no_grad():
+        attn.smear_logit.copy_(torch.tensor([0.0, 2.0]))
+    k = torch.randn(3, 2, 6, 8, dtype=torch.float64)
+    s = torch.sigmoid(torch.tensor([0.0, 2.0], dtype=torch.float64))[:, None, None]
+    before = torch.cat([torch.zeros_like(k[:, :, :1]), k[:, :, :-1]], dim=2)
+    torch.testing.assert_close(attn.smear(k), s * k + (1 - s) * before, rtol=0, atol=1e-15)
+    pieces = torch.cat([attn.smear(k[:, :, :4]), attn.smear(k[:, :, 4:], prev=k[:, :, 3:4])], dim=2)
+    torch.testing.assert_close(pieces, attn.smear(k), rtol=0, atol=1e-15)
+    assert not torch.allclose(tiny(smear_keys=True)(torch.arange(9)[None]), tiny()(torch.arange(9)[None]))
 
 
 def test_rope_scores_depend_only_on_position_difference():

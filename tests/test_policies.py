@@ -27,7 +27,8 @@ VARIANTS = {
     "mha": {},
     "gqa": {"n_kv_head": 2},
     # every switch the imported families use, at once: RMSNorm, SwiGLU, q/k/v and linear biases,
-    # partial rotary, parallel residual, untied head (the engine must stay exact under all of them)
+    # partial rotary, parallel residual, untied head, and our smeared keys (the engine must stay exact
+    # under all of them)
     "families": {
         "n_kv_head": 2,
         "norm": "rmsnorm",
@@ -36,6 +37,7 @@ VARIANTS = {
         "rotary_dim": 4,
         "parallel_residual": True,
         "tie_embeddings": False,
+        "smear_keys": True,
     },  # fmt: skip
 }
 
@@ -50,6 +52,8 @@ def setup(request):
             for name, p in model.named_parameters():
                 if name.endswith("bias"):
                     p.normal_(0, 0.1)
+                if name.endswith("smear_logit"):  # away from 1/2, a different mix per KV head
+                    p.normal_(0, 1.0)
     tokens = torch.randint(0, 40, (3, T))
     tokens[:, 0] = 39  # a <bos>-like first token
     ref = full_reference(model, tokens, attention=True, future=True)

@@ -74,7 +74,7 @@ class _ExplicitCausal:
 
     def __call__(self, l: int, a: CausalSelfAttention, h: torch.Tensor) -> torch.Tensor:
         q, k, v = a.project(h)
-        q, k = a.rotate(q, self.pos), a.rotate(k, self.pos)
+        q, k = a.rotate(q, self.pos), a.rotate(a.smear(k), self.pos)
         B, H, n, D = q.shape
         G = H // k.shape[1]
         s = (q @ k.repeat_interleave(G, 1).transpose(-1, -2)) * D**-0.5

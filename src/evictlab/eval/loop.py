@@ -36,6 +36,7 @@ class LayerCache:
         self.pos = torch.full((B, Hkv, S), -1, dtype=torch.long, device=like.device)
         self.state = state
         self.free = torch.zeros(B, Hkv, dtype=torch.long, device=like.device)  # slot for the next entry
+        self.last_raw = like.new_zeros(B, Hkv, 1, D)  # the previous token's raw key (for smeared keys)
         self.count = 0  # entries held (the same for every document and head)
         self.used = 0  # slots written at least once (slots fill in order until the first eviction)
 
@@ -189,6 +190,9 @@ class TokenLoop:
         """Layer l of step t: project, store the new entry, attend to the held entries, evict to budget."""
         cache, t = self.caches[l], self.t
         q, k, v = a.project(h)  # [B, H, 1, D], [B, Hkv, 1, D] x2
+        if a.smear_logit is not None:  # smeared keys: keep this raw key for the next step (one buffer)
+            raw, k = k, a.smear(k, cache.last_raw)
+            cache.last_raw.copy_(raw)
         init = self.policy.entry_state(k) if cache.state else {}
         if self.rotate_on_write:
             cos, sin = self.rope.at(t)

@@ -22,6 +22,7 @@ class _NaiveCache:
 
     def __init__(self):
         self.k = self.v = self.pos = None
+        self.last_raw = None  # the previous token's raw key (for smeared keys)
         self.state: dict[str, torch.Tensor] = {}
 
     def append(self, k, v, t: int, fresh: dict[str, torch.Tensor]) -> None:
@@ -59,6 +60,7 @@ class _ReferenceStep:
         cfg, c, t = self.model.cfg, self.caches[l], self.t
         H, Hkv, D = cfg.n_head, cfg.kv_heads, cfg.head_dim
         q, k, v = a.project(h)
+        k, c.last_raw = a.smear(k, c.last_raw), k
         fresh = {**self.policy.init_state(1, Hkv, 1, k), **self.policy.entry_state(k)}
         if self.rope and self.mode is PositionMode.original:
             q, k = a.rotate(q, torch.tensor([t])), a.rotate(k, torch.tensor([t]))

@@ -26,6 +26,7 @@ class BandCache:
     def __init__(self, n_sink: int, recent: int | None):
         self.n_sink, self.recent = n_sink, recent
         self.k = self.v = self.pos = None
+        self.last_raw = None  # the raw key of the last position seen (for smeared keys)
 
     def extend(self, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor):
         """The held keys followed by a block's own: k, v [B, Hkv, m, D], positions [m]."""
@@ -58,7 +59,8 @@ class _BandAttention:
     def __call__(self, l: int, a: CausalSelfAttention, h: torch.Tensor) -> torch.Tensor:
         cache = self.caches[l]
         q, k, v = a.project(h)
-        q, k = a.rotate(q, self.pos), a.rotate(k, self.pos)
+        smeared, cache.last_raw = a.smear(k, cache.last_raw), k[:, :, -1:]
+        q, k = a.rotate(q, self.pos), a.rotate(smeared, self.pos)
         K, V, P = cache.extend(k, v, self.pos)
         y = a.attend(q, K, V, mask=cache.visible(self.pos, P))
         cache.keep(K, V, P, self.next_start)

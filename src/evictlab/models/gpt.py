@@ -9,8 +9,8 @@ MLP (Llama, Qwen2), linear biases and tanh-GELU (GPT-2), partial rotary and a pa
 Shapes: B batch, T tokens, C = n_embd, H = n_head, Hkv = n_kv_head, D = head_dim = C // H.
 
 The attention is split into steps that a KV-cache engine can drive on its own:
-``project`` (x -> pre-RoPE q, k, v), ``rotate`` (RoPE at explicit positions) and
-``attend`` (SDPA with a mask) + ``out``. ``GPT.forward_with`` runs embed -> blocks -> head and lets
+``project`` (x -> pre-RoPE q, k, v), ``smear`` (the optional smeared keys, which need the previous
+token's key), ``rotate`` (RoPE at explicit positions) and ``attend`` (SDPA with a mask) + ``out``. ``GPT.forward_with`` runs embed -> blocks -> head and lets
 the caller compute each layer's attention (``attend(layer, attn_module, h)``), so an engine owns the
 keys and values while the residual structure stays here.
 """
@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 
 import torch
@@ -58,6 +58,9 @@ class GPTConfig:
     rope_base: float = 10000.0
     block_size: int = 1024  # size of the learned position table (ignored by RoPE)
     sink_token: bool = False  # prepend a learnable dedicated <sink> token to every sequence
+    # smeared keys (Olsson et al. 2022, "In-context Learning and Induction Heads"): each key mixes in the
+    # previous token's, so one layer can match "the token after an earlier copy of mine" (see `smear`)
+    smear_keys: bool = field(default=False, metadata={"neutral": False})
     init_std: float = 0.02
     # switches for imported pretrained families (defaults: the small GPT trained here)
     norm: Norm = Norm.layernorm
@@ -150,6 +153,8 @@ class CausalSelfAttention(nn.Module):
         qkv_out = (self.n_head + 2 * self.n_kv_head) * self.head_dim
         self.c_attn = nn.Linear(cfg.n_embd, qkv_out, bias=cfg.bias or cfg.qkv_bias)  # fused q, k, v
         self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+        # one logit per KV head: sigmoid(0) = 1/2 of the own key at init (1-D, so never weight-decayed)
+        self.smear_logit = nn.Parameter(torch.zeros(self.n_kv_head)) if cfg.smear_keys else None
 
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [B, T, C] -> q [B, H, T, D], k [B, Hkv, T, D], v [B, Hkv, T, D], before RoPE."""
@@ -162,6 +167,18 @@ class CausalSelfAttention(nn.Module):
         k = k.view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
         v = v.view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
         return q, k, v
+
+    def smear(self, k: torch.Tensor, prev: torch.Tensor | None = None) -> torch.Tensor:
+        """Smeared keys: raw k [B, Hkv, T, D] -> s k_j + (1 - s) k_(j-1), s = sigmoid(smear_logit) per KV
+        head, where k_(-1) = prev [B, Hkv, 1, D] (the raw key of the token before k's first; None = zeros:
+        the sequence starts here). Identity without model.smear_keys. Applied before RoPE: the smeared key
+        is the one key of position j, stored and rotated like any other."""
+        if self.smear_logit is None:
+            return k
+        before = torch.zeros_like(k[:, :, :1]) if prev is None else prev
+        before = torch.cat([before, k[:, :, :-1]], dim=2)
+        s = torch.sigmoid(self.smear_logit).to(k.dtype)[:, None, None]  # [Hkv, 1, 1]
+        return s * k + (1 - s) * before
 
     def rotate(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         """RoPE of x [B, H, T, D] at positions pos [T] (shared) or [B, T] (per row); identity for learned
@@ -190,7 +207,7 @@ class CausalSelfAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         q, k, v = self.project(x)
-        q, k = self.rotate(q, pos), self.rotate(k, pos)
+        q, k = self.rotate(q, pos), self.rotate(self.smear(k), pos)
         return self.out(self.attend(q, k, v, is_causal=True))
 
 
