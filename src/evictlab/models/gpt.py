@@ -10,9 +10,10 @@ Shapes: B batch, T tokens, C = n_embd, H = n_head, Hkv = n_kv_head, D = head_dim
 
 The attention is split into steps that a KV-cache engine can drive on its own:
 ``project`` (x -> pre-RoPE q, k, v), ``smear`` (the optional smeared keys, which need the previous
-token's key), ``rotate`` (RoPE at explicit positions) and ``attend`` (SDPA with a mask) + ``out``. ``GPT.forward_with`` runs embed -> blocks -> head and lets
-the caller compute each layer's attention (``attend(layer, attn_module, h)``), so an engine owns the
-keys and values while the residual structure stays here.
+token's key), ``rotate`` (RoPE at explicit positions) and ``attend`` (SDPA with a mask) + ``out``.
+``GPT.forward_with`` runs embed -> blocks -> head and lets the caller compute each layer's attention
+(``attend(layer, attn_module, h)``), so an engine owns the keys and values while the residual structure
+stays here.
 """
 
 from __future__ import annotations
