@@ -9,7 +9,10 @@ does (one thread unless train.threads says otherwise), but is not cached. Every 
 one JSON line: validation loss (nats/token), induction (mean NLL on the second copy of 40 random printable
 characters repeated once, against the first copy's: a copying model drives `ind2` far below `ind1`),
 pass-key recall exact matches (teacher-forced, full cache, 6 streams per depth 0.1/0.5/0.9 of train.seq_len
-tokens), `sink_head_fraction(_deep)` and the last query's attention on position 0 per layer (eval/sinks.py).
+tokens), `sink_head_fraction(_deep)` and the last query's attention on position 0 per layer (eval/sinks.py),
+and the functional test: perplexity of 8 held-out streams of train.seq_len tokens under the full cache, a
+window and StreamingLLM (4 sinks, original positions) at budget 64, with `window_over_sinks` = ppl(window)
+/ ppl(StreamingLLM).
 This is the instrument behind the recipe notes in README ("Attention sinks").
 """
 
@@ -21,19 +24,37 @@ import time
 
 import numpy as np
 import torch
+from safetensors.torch import save_model
 
 from evictlab.config import compose, to_objects
 from evictlab.data.dataset import load_corpus
+from evictlab.cache import make_policy
 from evictlab.data.recall import recall_streams
+from evictlab.data.streams import eval_streams
 from evictlab.errors import ConfigError
+from evictlab.eval import StreamSpec, stream
 from evictlab.eval.sinks import sink_metrics
 from evictlab.models.gpt import GPT
 from evictlab.perf import set_threads
 from evictlab.train import WindowSampler, fixed_batches, mean_loss, optimize
 
 
+FUNCTIONAL_BUDGET = 64
+
+
+def functional(model: GPT, streams: torch.Tensor) -> dict:
+    """Perplexity of `streams` under the full cache, a window and StreamingLLM at FUNCTIONAL_BUDGET."""
+    ppl = {}
+    for name in ("full", "window", "streaming_llm"):
+        out = stream(model, streams, make_policy(name), FUNCTIONAL_BUDGET, StreamSpec(diagnostics=False))
+        ppl[name] = float(out.nll.mean().exp())
+    return {f"ppl_{k}": round(v, 3) for k, v in ppl.items()} | {
+        "window_over_sinks": round(ppl["window"] / ppl["streaming_llm"], 3)
+    }
+
+
 @torch.no_grad()
-def probe(model: GPT, corpus, cfg, induction: torch.Tensor, recall, val) -> dict:
+def probe(model: GPT, corpus, cfg, induction: torch.Tensor, recall, val, streams) -> dict:
     model.eval()
     nll = -torch.log_softmax(model(induction)[:, :-1], -1).gather(-1, induction[:, 1:, None])[..., 0]
     half = (induction.shape[1] - 1) // 2
@@ -50,6 +71,7 @@ def probe(model: GPT, corpus, cfg, induction: torch.Tensor, recall, val) -> dict
         "recall_exact": exact,
         **{k: round(v, 3) for k, v in sink.items()},
         "last_query_first_mass": [round(v, 2) for v in last],
+        **functional(model, streams),
     }
     model.train()
     return out
@@ -58,6 +80,7 @@ def probe(model: GPT, corpus, cfg, induction: torch.Tensor, recall, val) -> dict
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--every", type=int, default=150)
+    ap.add_argument("--save", help="write the final weights here (safetensors) for a closer look")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
     cfg = to_objects(compose(["logger=none", *args.overrides]))
@@ -79,15 +102,19 @@ def main() -> None:
     except ConfigError as e:
         print(f"no pass-key recall probe: {e}", flush=True)
         recall = None
+    streams = eval_streams(corpus, 8, tc.seq_len, mc.sink_token, "concat", "test", seed=0)
     start = time.perf_counter()
     print(json.dumps({"overrides": args.overrides}), flush=True)
 
     def after_step(done: int) -> None:
         if done % args.every == 0 or done == tc.steps:
             row = {"step": done, "wall_s": round(time.perf_counter() - start)}
-            print(json.dumps(row | probe(model, corpus, cfg, induction, recall, val)), flush=True)
+            print(json.dumps(row | probe(model, corpus, cfg, induction, recall, val, streams)), flush=True)
 
     optimize(model, tc, sampler, val, mc.name, after_step=after_step)
+    if args.save:
+        save_model(model, args.save)
+        print(f"saved the final weights to {args.save}", flush=True)
 
 
 if __name__ == "__main__":

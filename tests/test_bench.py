@@ -51,3 +51,31 @@ def test_bench_long_writes_rows_with_ratios(tmp_path: Path, monkeypatch):
     assert rows[0]["rss_ratio"] == rows[0]["speed_ratio"] == 1.0
     assert "| h2o | 96 | loop |" in bench_long.markdown_table(report)
     sys.modules.pop("bench_long", None)
+
+
+def test_recipe_probe_prints_every_measure_and_saves_the_weights(tmp_path: Path, monkeypatch, capsys):
+    """The recipe instrument on a toy run: one JSON line per probe with the sink metrics and the functional
+    test (window over StreamingLLM at budget 64), and weights that load back into the same model."""
+    from safetensors.torch import load_model
+
+    from evictlab.config import compose, to_objects
+    from evictlab.models.gpt import GPT
+
+    monkeypatch.syspath_prepend(str(REPO_ROOT / "benchmarks"))
+    import recipe_probe
+
+    weights = tmp_path / "w.safetensors"
+    train = ["train.steps=4", "train.warmup_steps=1", "train.seq_len=96", "train.batch_size=2"]
+    overrides = ["model=gpt_tiny", "model.smear_keys=true", *train, "train.progress=false"]
+    overrides.append(f"paths.outputs={tmp_path}")
+    monkeypatch.setattr(sys, "argv", ["recipe_probe.py", "--every", "2", "--save", str(weights), *overrides])
+    recipe_probe.main()
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
+    assert [r.get("step") for r in rows] == [None, 2, 4]
+    for r in rows[1:]:
+        assert 0 <= r["sink_head_fraction"] <= 1 and len(r["last_query_first_mass"]) == 2
+        assert r["window_over_sinks"] == round(r["ppl_window"] / r["ppl_streaming_llm"], 3)
+    cfg = to_objects(compose(["logger=none", "model=gpt_tiny", "model.smear_keys=true"])).model
+    cfg.vocab_size = 258
+    load_model(GPT(cfg), weights)  # strict: every parameter, the smear logits included
+    sys.modules.pop("recipe_probe", None)
