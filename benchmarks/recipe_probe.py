@@ -26,9 +26,9 @@ import numpy as np
 import torch
 from safetensors.torch import save_model
 
+from evictlab.cache import make_policy
 from evictlab.config import compose, to_objects
 from evictlab.data.dataset import load_corpus
-from evictlab.cache import make_policy
 from evictlab.data.recall import recall_streams
 from evictlab.data.streams import eval_streams
 from evictlab.errors import ConfigError
@@ -37,7 +37,6 @@ from evictlab.eval.sinks import sink_metrics
 from evictlab.models.gpt import GPT
 from evictlab.perf import set_threads
 from evictlab.train import WindowSampler, fixed_batches, mean_loss, optimize
-
 
 FUNCTIONAL_BUDGET = 64
 
