@@ -9,7 +9,8 @@ does (one thread unless train.threads says otherwise), but is not cached. Every 
 one JSON line: validation loss (nats/token), induction (mean NLL on the second copy of 40 random printable
 characters repeated once, against the first copy's: a copying model drives `ind2` far below `ind1`),
 pass-key recall exact matches (teacher-forced, full cache, 6 streams per depth 0.1/0.5/0.9 of train.seq_len
-tokens), `sink_head_fraction(_deep)` and the last query's attention on position 0 per layer (eval/sinks.py),
+tokens), `sink_head_fraction(_deep)`, the last query's attention on position 0 per layer and each layer's
+strongest head's alpha (eval/sinks.py),
 and the functional test: perplexity of 8 held-out streams of train.seq_len tokens under the full cache, a
 window and StreamingLLM (4 sinks, original positions) at budget 64, with `window_over_sinks` = ppl(window)
 / ppl(StreamingLLM).
@@ -63,6 +64,7 @@ def probe(model: GPT, corpus, cfg, induction: torch.Tensor, recall, val, streams
         exact = f"{sum(bool(pred[i][recall.answer[i]].all()) for i in range(len(pred)))}/{len(pred)}"
     sink, layers = sink_metrics(model, corpus, cfg.train.seq_len, cfg.model.sink_token)
     last = layers[layers.metric == "last_query_first_mass"].sort_values("layer")["value"]
+    strongest = layers[layers.metric == "sink_alpha"].groupby("layer")["value"].max().sort_index()
     out = {
         "val": round(mean_loss(model, val), 4),
         "ind1": round(nll[:, 1:half].mean().item(), 3),
@@ -70,6 +72,7 @@ def probe(model: GPT, corpus, cfg, induction: torch.Tensor, recall, val, streams
         "recall_exact": exact,
         **{k: round(v, 3) for k, v in sink.items()},
         "last_query_first_mass": [round(v, 2) for v in last],
+        "strongest_alpha": [round(v, 2) for v in strongest],  # per layer, the head with most on position 0
         **functional(model, streams),
     }
     model.train()

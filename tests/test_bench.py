@@ -73,7 +73,10 @@ def test_recipe_probe_prints_every_measure_and_saves_the_weights(tmp_path: Path,
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
     assert [r.get("step") for r in rows] == [None, 2, 4]
     for r in rows[1:]:
-        assert 0 <= r["sink_head_fraction"] <= 1 and len(r["last_query_first_mass"]) == 2
+        assert (
+            0 <= r["sink_head_fraction"] <= 1
+            and len(r["last_query_first_mass"]) == len(r["strongest_alpha"]) == 2
+        )
         assert r["window_over_sinks"] == round(r["ppl_window"] / r["ppl_streaming_llm"], 3)
     cfg = to_objects(compose(["logger=none", "model=gpt_tiny", "model.smear_keys=true"])).model
     cfg.vocab_size = 258
