@@ -16,7 +16,7 @@ import sys
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -304,7 +304,7 @@ def train_model(cfg: Config, corpus: Corpus) -> tuple[GPT, dict[str, Any]]:
 
 def checkpoint_key(cfg: Config, corpus: Corpus) -> str:
     """Hash of everything that determines the weights (config.py marks the train settings that do not)."""
-    model_cfg = {**asdict(cfg.model), "vocab_size": corpus.tokenizer.vocab_size}
+    model_cfg = {**key_dict(cfg.model), "vocab_size": corpus.tokenizer.vocab_size}  # (no neutral fields)
     return stable_hash(
         {
             "model": model_cfg,
