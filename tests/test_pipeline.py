@@ -98,6 +98,10 @@ def test_runs_of_a_sweep_share_the_full_cache_reference(outputs: Path):
     assert (first["full_reference_shared"], second["full_reference_shared"]) == (0, 1)
     assert len(list((outputs / "cache" / "references").glob("*.safetensors"))) == 1
     assert first["ppl_full"] == second["ppl_full"]
+    # eval.share_reference=false: the run computes its own (in no key: the same run, the same numbers)
+    alone = run_mod.run(cfg_for(outputs / "alone", "strategy=window", *args, "eval.share_reference=false"))
+    assert alone["full_reference_shared"] == 0 and alone["ppl_full"] == second["ppl_full"]
+    assert not (outputs / "alone" / "cache" / "references").exists()
 
 
 def test_a_failed_run_records_the_error_and_reraises(outputs: Path, monkeypatch):

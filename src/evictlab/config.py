@@ -203,6 +203,9 @@ class EvalConfig:
     # torch.compile the token loop's steady-state step: 3-15 s to compile here, then ~2.7x the eager token
     # rate (README "Long streams"); per-token NLL moves by float rounding only (<= 1e-6), like eval.threads
     compile: bool = field(default=False, metadata=KEYLESS)
+    # runs that stream the same tokens through the same checkpoint share one full-cache reference, stored
+    # under outputs/cache/references (eval/shared.py); false: every run computes its own (the same numbers)
+    share_reference: bool = field(default=True, metadata=KEYLESS)
     generate_tokens: int = 0  # > 0: greedy continuations of this many tokens vs the full cache's
     task: EvalTask = EvalTask.lm
     recall_depths: list[float] = field(default_factory=lambda: [0.1, 0.3, 0.5, 0.7, 0.9])

@@ -173,7 +173,9 @@ class RunStages:
         policy, budget, spec = self.cfg.strategy.build(), self.cfg.resolved_budget, self.cfg.eval.spec()
         # the full cache's log-probs on these streams: computed by the sweep's first run, read by the rest
         checkpoint = f"{ck.path.name}:{ck.meta.get('weights_sha256', '')}"
-        shared = SharedReferences(self.cfg.outputs / "cache" / "references", checkpoint)
+        shared = None
+        if self.cfg.eval.share_reference:
+            shared = SharedReferences(self.cfg.outputs / "cache" / "references", checkpoint)
         with clock("evaluate"):
             res = evaluate(model, tokens, policy, budget, spec, shared)
         if not math.isfinite(res.summary["ppl"]):
@@ -185,7 +187,9 @@ class RunStages:
         res.layers = pd.concat([res.layers, sink_layers], ignore_index=True)
         with clock("files"):
             curve = self.write_results(res)
-        metrics = self.identity(ck) | res.summary | sink | {"full_reference_shared": shared.read}
+        metrics = (
+            self.identity(ck) | res.summary | sink | {"full_reference_shared": shared.read if shared else 0}
+        )
         with clock("tasks"):
             if recall is not None:
                 metrics |= self.recall_metrics(recall_accuracy(model, recall, policy, budget, spec, res))
