@@ -121,6 +121,20 @@ def test_a_checkpoint_whose_meta_was_edited_is_retrained_not_loaded(outputs: Pat
     assert get_checkpoint(make_cfg(outputs, *args)).cached  # the retrained one is sound
 
 
+def test_a_checkpoint_from_before_a_neutral_model_field_still_loads(outputs: Path):
+    """A meta.json written before model.smear_keys existed (no such entry) is the same checkpoint as one
+    asking for its neutral value: the key and the settings check agree, and it loads from the cache."""
+    import json
+
+    args = ("train.steps=5", "train.warmup_steps=2")
+    first = get_checkpoint(make_cfg(outputs, *args))
+    meta_path = first.path / "meta.json"
+    meta = json.loads(meta_path.read_text())
+    del meta["model"]["smear_keys"]
+    meta_path.write_text(json.dumps(meta))
+    assert get_checkpoint(make_cfg(outputs, *args)).cached
+
+
 def test_two_processes_train_once(outputs: Path):
     args = [*TINY, "train.steps=400"]
     env_outputs = {"EVICTLAB_OUTPUTS": str(outputs)}

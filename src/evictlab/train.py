@@ -339,12 +339,17 @@ def check_settings(meta: dict[str, Any], cfg: Config, key: str) -> None:
     ValueError naming the first setting that differs."""
     if meta.get("key") != key:
         raise ValueError(f"checkpoint meta.json says key {meta.get('key')!r}, its folder {key!r}")
-    stored = {f"model.{k}": v for k, v in meta.get("model", {}).items()}
-    wanted = {f"model.{k}": v for k, v in to_jsonable(cfg.model).items()}
+    # both sides as the key sees them, so a field added later (at its neutral value) matches an older meta
+    try:
+        stored_model = key_dict(GPTConfig(**meta.get("model", {})))
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"checkpoint meta.json has unreadable model settings ({e})") from None
     try:
         stored_train = key_dict(TrainConfig(**meta.get("train", {})), weights=True)
     except (TypeError, ValueError) as e:
         raise ValueError(f"checkpoint meta.json has unreadable train settings ({e})") from None
+    stored = {f"model.{k}": v for k, v in stored_model.items()}
+    wanted = {f"model.{k}": v for k, v in key_dict(cfg.model).items()}
     stored |= {f"train.{k}": v for k, v in stored_train.items()}
     wanted |= {f"train.{k}": v for k, v in key_dict(cfg.train, weights=True).items()}
     for name in sorted(set(stored) | set(wanted)):
