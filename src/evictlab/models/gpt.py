@@ -61,6 +61,7 @@ class GPTConfig:
     sink_token: bool = False  # prepend a learnable dedicated <sink> token to every sequence
     # smeared keys (Olsson et al. 2022, "In-context Learning and Induction Heads"): each key mixes in the
     # previous token's, so one layer can match "the token after an earlier copy of mine" (see `smear`)
+    # (metadata = config.neutral(False), spelled out: config imports this module)
     smear_keys: bool = field(default=False, metadata={"neutral": False})
     init_std: float = 0.02
     # switches for imported pretrained families (defaults: the small GPT trained here)
