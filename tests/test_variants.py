@@ -166,3 +166,13 @@ def test_report_finds_the_scale_knobs_of_the_committed_sink_sweep():
         "base": 0.1,
         "wd_high": 1.0,
     }
+
+
+def test_sink_trend_draws_a_knob_with_zero_on_a_linear_axis():
+    layers, runs = _variant_tables()
+    fig = F.sink_trend(layers, runs, {"synthetic share": {"base": 0.0, "steps200": 0.25, "steps800": 0.5}})
+    top = fig.axes[0]
+    assert top.get_xscale() == "linear"
+    assert top.get_lines()[0].get_xdata().tolist() == [0.0, 0.25, 0.5]
+    steps = F.sink_trend(layers, runs, {"training steps": {"steps200": 200, "base": 400, "steps800": 800}})
+    assert steps.axes[0].get_xscale() == "log"
