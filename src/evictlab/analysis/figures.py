@@ -536,7 +536,7 @@ def sink_trend(layers: pd.DataFrame, runs: pd.DataFrame, axes: dict, arms: list 
             bottom.plot(xs, ys, "o-", color=P.color(name), label=P.label(name))
         bottom.axhline(1.0, color="k", lw=0.8)
         for ax in (top, bottom):
-            if xs and min(xs) > 0:  # scale knobs (steps, layers) on a log axis; a share with 0 on a linear one
+            if xs and min(xs) > 0:  # steps, layers: a log axis; a share that includes 0: a linear one
                 ax.set_xscale("log", base=2)
             ax.set_xticks(xs)
             ax.set_xticklabels([f"{x:g}\n{v}" for x, v in pts], fontsize=8)

@@ -5,6 +5,9 @@ Three exact paths, chosen from the policy's own flags (``spec.force_loop`` alway
 * **parallel** - position-static policies (`static_window`) in ``original`` mode, and shift-invariant
   ones (a contiguous window: the same relative distances after re-indexing) in ``cache`` mode too:
   blocks of queries, each over the keys its window reaches (eval/static.py).
+* **scheduled** - policies whose decisions never read attention (random, l2norm) in ``original`` mode:
+  each block's evictions are replayed on the slot bookkeeping first, then the block attends at once
+  under the resulting mask (eval/scheduled.py).
 * **loop** - one token per step over preallocated slot buffers (eval/loop.py).
 * **recompute** - policies that keep no cache (`recompute`): every prediction is a fresh forward over the
   last budget+1 tokens, run as batched forwards over the windows of a block of steps.
@@ -25,9 +28,12 @@ from evictlab.cache.policies import Policy
 from evictlab.errors import ConfigError
 from evictlab.eval.full import FullReference
 from evictlab.eval.loop import stream_loop
+from evictlab.eval.scheduled import schedulable, stream_scheduled
 from evictlab.eval.spec import DEFAULT, PositionMode, StreamSpec, check_positions
 from evictlab.eval.static import stream_recompute, stream_static
 from evictlab.models.gpt import GPT
+
+SCHEDULED_BLOCK = 256  # queries per block on the scheduled path (its mask is [B, H, block, budget + block])
 
 
 @dataclass
@@ -35,7 +41,7 @@ class StreamOutput:
     nll: torch.Tensor  # [B, n] per predicted token
     correct: torch.Tensor  # [B, n] 1 where the policy's top-1 prediction is the true token
     occupancy: torch.Tensor  # [n, L] entries held after each step
-    path: str  # parallel | loop | recompute
+    path: str  # parallel | scheduled | loop | recompute
     budgets: list[int]  # per layer
     kl: torch.Tensor | None = None  # [B, n] KL(p_full || p_policy)
     agree: torch.Tensor | None = None  # [B, n] top-1 agreement with the full cache
@@ -77,6 +83,19 @@ def _loop_output(model, tokens, policy, budgets, ref, doc, spec: StreamSpec) -> 
     )
 
 
+def _scheduled_output(model, tokens, policy, budgets, ref, doc, spec: StreamSpec) -> StreamOutput:
+    block = min(spec.block, SCHEDULED_BLOCK)
+    per_token, state = stream_scheduled(model, tokens, policy, budgets, ref, doc, block)
+    return StreamOutput(
+        **per_token,
+        occupancy=state.occupancy,
+        path="scheduled",
+        budgets=budgets,
+        policy_seconds=state.policy_seconds,
+        kept=[c.pos.clone() for c in state.caches],
+    )
+
+
 def stream(
     model: GPT,
     tokens: torch.Tensor,
@@ -112,6 +131,8 @@ def stream(
         out = _static_output(
             stream_static(model, tokens, windows, reference, spec.block), tokens, budgets, "parallel"
         )
+    elif schedulable(policy) and spec.position_mode is PositionMode.original and not spec.force_loop:
+        out = _scheduled_output(model, tokens, policy, budgets, reference, doc, spec)
     else:
         out = _loop_output(model, tokens, policy, budgets, reference, doc, spec)
     out.seconds = time.perf_counter() - start

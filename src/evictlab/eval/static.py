@@ -72,7 +72,9 @@ class Recorder:
     agreement where the full-cache reference covers it (NaN beyond), attention lost where its attention
     does."""
 
-    def __init__(self, tgt: torch.Tensor, windows: list[tuple[int, int | None]], ref: FullReference | None):
+    def __init__(
+        self, tgt: torch.Tensor, windows: list[tuple[int, int | None]] | None, ref: FullReference | None
+    ):
         self.tgt, self.windows, self.ref = tgt, windows, ref
         self.covered = 0 if ref is None else ref.logp.shape[1]  # the reference covers steps < covered
         self.out: dict[str, torch.Tensor] = {}
@@ -95,7 +97,7 @@ class Recorder:
         m = token_metrics(logp[:, : c - s], self.tgt[:, s:c], self.ref.logp[:, s:c])
         self._write("kl", s, m["kl"])
         self._write("agree", s, m["agree"])
-        if self.ref.attn is not None:
+        if self.ref.attn is not None and self.windows is not None:  # (a scheduled path tracks its own)
             self._write("lost", s, self.lost(s, c))
 
     def lost(self, s: int, c: int) -> torch.Tensor:
