@@ -15,15 +15,23 @@ def test_bench_writes_rows_with_ratios(tmp_path: Path, monkeypatch):
 
     out = tmp_path / "bench.json"
     args = ["--docs", "2", "--length", "24", "--budget", "8", "--batch", "2", "--out", str(out)]
-    report = bench_engine.main([*args, "--policies", "window,h2o,oracle,recompute_window"])
+    report = bench_engine.main([*args, "--policies", "window,h2o,oracle,recompute_window,random"])
     rows = json.loads(out.read_text())["rows"]
     assert rows == json.loads(json.dumps(report["rows"]))
     assert [(r["policy"], r["position_mode"]) for r in rows] == [
         ("window", "original"), ("h2o", "original"), ("oracle", "original"), ("recompute_window", "original"),
-        ("h2o", "cache"),
+        ("random", "original"), ("h2o", "cache"),
     ]  # fmt: skip
     paths = {r["policy"]: r["path"] for r in rows}
-    assert paths == {"window": "parallel", "h2o": "loop", "oracle": "loop", "recompute_window": "recompute"}
+    assert paths == {
+        "window": "parallel", "h2o": "loop", "oracle": "loop", "recompute_window": "recompute",
+        "random": "scheduled",
+    }  # fmt: skip
+    floor = {(r["policy"], r["position_mode"]): r["target_floor_fraction"] for r in rows}
+    assert floor == {
+        ("window", "original"): 0.35, ("h2o", "original"): 0.15, ("oracle", "original"): None,
+        ("random", "original"): 0.25, ("recompute_window", "original"): None, ("h2o", "cache"): 0.15,
+    }  # fmt: skip
     for r in rows:
         assert r["speedup"] == r["engine_tokens_per_s"] / r["reference_tokens_per_s"]
         assert 0 < r["floor_fraction"] and r["kv_bytes_T1024"] == r["kv_bytes_T8192"]
