@@ -2,9 +2,9 @@
 
 Three exact paths, chosen from the policy's own flags (``spec.force_loop`` always takes the token loop):
 
-* **parallel** - position-static policies (`static_window`) in ``original`` mode, and shift-invariant
-  ones (a contiguous window: the same relative distances after re-indexing) in ``cache`` mode too:
-  blocks of queries, each over the keys its window reaches (eval/static.py).
+* **parallel** - position-static policies (`static_window`) in both position modes (in ``cache`` mode a
+  contiguous run keeps its distances and only the sinks move): blocks of queries, each over the keys
+  its window reaches (eval/static.py).
 * **scheduled** - policies whose decisions never read attention (random, l2norm) in ``original`` mode:
   each block's evictions are replayed on the slot bookkeeping first, then the block attends at once
   under the resulting mask (eval/scheduled.py).
@@ -54,9 +54,8 @@ class StreamOutput:
 
 
 def parallel_ok(policy: Policy, mode: PositionMode) -> bool:
-    if policy.recompute or policy.static_window(1) is None:
-        return False
-    return mode is PositionMode.original or policy.shift_invariant
+    """Position-static policies, in both position modes (eval/static.py: the sinks in cache mode)."""
+    return not policy.recompute and policy.static_window(1) is not None
 
 
 def _static_output(per_token: dict, tokens: torch.Tensor, budgets: list[int], path: str) -> StreamOutput:
@@ -128,8 +127,12 @@ def stream(
         per_token = stream_recompute(model, tokens, budgets[0] + 1, reference, spec.block)
         out = _static_output(per_token, tokens, budgets, "recompute")
     elif parallel_ok(policy, spec.position_mode) and not spec.force_loop:
+        cache_mode = spec.position_mode is PositionMode.cache
         out = _static_output(
-            stream_static(model, tokens, windows, reference, spec.block), tokens, budgets, "parallel"
+            stream_static(model, tokens, windows, reference, spec.block, cache_mode),
+            tokens,
+            budgets,
+            "parallel",
         )
     elif schedulable(policy) and spec.position_mode is PositionMode.original and not spec.force_loop:
         out = _scheduled_output(model, tokens, policy, budgets, reference, doc, spec)

@@ -51,18 +51,33 @@ class BandCache:
 
 
 class _BandAttention:
-    """Each layer's attention for one block of queries over what its BandCache holds plus the block."""
+    """Each layer's attention for one block of queries over what its BandCache holds plus the block.
 
-    def __init__(self, caches: list[BandCache]):
-        self.caches, self.pos, self.next_start = caches, None, 0
+    In `cache` position mode a query's keys are re-indexed by rank among the held ones. The held set of a
+    static window is the sinks plus a contiguous run ending at the query, so every distance inside the run
+    is its text distance, and only the sinks move: once query i holds n_sink + recent + 1 entries it sits
+    at rank n_sink + recent, so it sees sink j at distance n_sink + recent - j instead of i - j. The block
+    attends with two queries at once, concatenated along the head dimension: the query at its position
+    against the run's keys and the query at min(i, n_sink + recent) against the sinks' (each key zero in
+    the other half), which is one exact attention."""
+
+    def __init__(self, caches: list[BandCache], cache_mode: bool = False):
+        self.caches, self.pos, self.next_start, self.cache_mode = caches, None, 0, cache_mode
 
     def __call__(self, l: int, a: CausalSelfAttention, h: torch.Tensor) -> torch.Tensor:
         cache = self.caches[l]
         q, k, v = a.project(h)
         smeared, cache.last_raw = a.smear(k, cache.last_raw), k[:, :, -1:]
-        q, k = a.rotate(q, self.pos), a.rotate(smeared, self.pos)
+        qr, k = a.rotate(q, self.pos), a.rotate(smeared, self.pos)
         K, V, P = cache.extend(k, v, self.pos)
-        y = a.attend(q, K, V, mask=cache.visible(self.pos, P))
+        mask = cache.visible(self.pos, P)
+        if self.cache_mode and cache.n_sink and cache.recent is not None and a.rope_base is not None:
+            qs = a.rotate(q, self.pos.clamp(max=cache.n_sink + cache.recent))  # the query as the sinks see it
+            sink = (P < cache.n_sink).to(K.dtype)[:, None]  # [Tk, 1]
+            both_q, both_k = torch.cat([qr, qs], -1), torch.cat([K * (1 - sink), K * sink], -1)
+            y = a.attend(both_q, both_k, V, mask=mask, scale=q.shape[-1] ** -0.5)
+        else:
+            y = a.attend(qr, K, V, mask=mask)
         cache.keep(K, V, P, self.next_start)
         return a.out(y)
 
@@ -111,12 +126,20 @@ class Recorder:
 
 
 @torch.no_grad()
-def stream_static(model: GPT, tokens: torch.Tensor, windows: list[tuple[int, int | None]], ref, block: int):
-    """Stream tokens [B, T] under per-layer static windows, `block` queries at a time -> metrics by name."""
+def stream_static(
+    model: GPT,
+    tokens: torch.Tensor,
+    windows: list[tuple[int, int | None]],
+    ref,
+    block: int,
+    cache_mode: bool = False,
+):
+    """Stream tokens [B, T] under per-layer static windows, `block` queries at a time -> metrics by name;
+    `cache_mode`: positions re-indexed inside the cache (see _BandAttention)."""
     inp, tgt = tokens[:, :-1], tokens[:, 1:]
     n = inp.shape[1]
     rec = Recorder(tgt, windows, ref)
-    attend = _BandAttention([BandCache(*w) for w in windows])
+    attend = _BandAttention([BandCache(*w) for w in windows], cache_mode)
     for s in range(0, n, block):
         e = min(n, s + block)
         attend.pos, attend.next_start = torch.arange(s, e, device=tokens.device), e

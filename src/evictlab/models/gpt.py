@@ -196,10 +196,18 @@ class CausalSelfAttention(nn.Module):
         v: torch.Tensor,
         mask: torch.Tensor | None = None,
         is_causal: bool = False,
+        scale: float | None = None,
     ) -> torch.Tensor:
-        """q [B, H, Tq, D], k/v [B, Hkv, Tk, D], bool mask [.., Tq, Tk] (True = attend) -> [B, Tq, C]."""
+        """q [B, H, Tq, E], k [B, Hkv, Tk, E], v [B, Hkv, Tk, D], bool mask [.., Tq, Tk] (True = attend)
+        -> [B, Tq, C]. Scores are scaled by `scale` (default E ** -0.5)."""
         y = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=is_causal, enable_gqa=self.n_kv_head != self.n_head
+            q,
+            k,
+            v,
+            attn_mask=mask,
+            is_causal=is_causal,
+            scale=scale,
+            enable_gqa=self.n_kv_head != self.n_head,
         )
         B, _, Tq, _ = q.shape
         return y.transpose(1, 2).reshape(B, Tq, self.n_head * self.head_dim)

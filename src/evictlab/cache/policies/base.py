@@ -60,9 +60,6 @@ class Policy:
     # Decisions depend on positions only, so every document and head holds the same positions in the
     # same slots (lets the engine re-index positions once per layer instead of per document and head).
     position_only: ClassVar[bool] = False
-    # The kept set is always the contiguous run of the most recent positions, so re-indexing positions
-    # inside the cache (`cache` mode) keeps every query-key distance: the parallel path applies there too.
-    shift_invariant: ClassVar[bool] = False
 
     def __post_init__(self) -> None:
         self.check_types()

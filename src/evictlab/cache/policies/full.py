@@ -14,7 +14,6 @@ class Full(Policy):
 
     name: ClassVar[str] = "full"
     order: ClassVar[int] = 0
-    shift_invariant: ClassVar[bool] = True
     position_only: ClassVar[bool] = True
     evicts: ClassVar[bool] = False
 

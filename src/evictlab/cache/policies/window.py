@@ -14,7 +14,6 @@ class Window(Policy):
 
     name: ClassVar[str] = "window"
     order: ClassVar[int] = 1
-    shift_invariant: ClassVar[bool] = True
     position_only: ClassVar[bool] = True
 
     def static_window(self, budget: int) -> tuple[int, int]:
