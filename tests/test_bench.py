@@ -24,7 +24,7 @@ def test_bench_writes_rows_with_ratios(tmp_path: Path, monkeypatch):
     ]  # fmt: skip
     paths = {r["policy"]: r["path"] for r in rows}
     assert paths == {
-        "window": "parallel", "h2o": "loop", "oracle": "loop", "recompute_window": "recompute",
+        "window": "parallel", "h2o": "blocked", "oracle": "blocked", "recompute_window": "recompute",
         "random": "scheduled",
     }  # fmt: skip
     floor = {(r["policy"], r["position_mode"]): r["target_floor_fraction"] for r in rows}
@@ -50,14 +50,14 @@ def test_bench_long_writes_rows_with_ratios(tmp_path: Path, monkeypatch):
     report = bench_long.main([*args, "--no-compile", "--out", str(out)])
     rows = json.loads(out.read_text())["rows"]
     assert [(r["policy"], r["length"], r["path"]) for r in rows] == [
-        ("window", 48, "parallel"), ("window", 96, "parallel"), ("h2o", 48, "loop"), ("h2o", 96, "loop"),
-        ("full", 64, "parallel"),
+        ("window", 48, "parallel"), ("window", 96, "parallel"),
+        ("h2o", 48, "blocked"), ("h2o", 96, "blocked"), ("full", 64, "parallel"),
     ]  # fmt: skip
     assert report["compile"] is False and all(r["compile_seconds"] == 0 for r in rows)
     for r in rows[:4]:
         assert r["peak_rss_bytes"] > 0 and r["token_steps_per_s"] > 0 and r["rss_ratio"] > 0
     assert rows[0]["rss_ratio"] == rows[0]["speed_ratio"] == 1.0
-    assert "| h2o | 96 | loop |" in bench_long.markdown_table(report)
+    assert "| h2o | 96 | blocked |" in bench_long.markdown_table(report)
     sys.modules.pop("bench_long", None)
 
 

@@ -127,7 +127,7 @@ def test_evaluate_summary_is_consistent(model, tokens):
     assert s["ppl_second_half"] == pytest.approx(math.exp(pt["nll"][:, 16:].mean()), rel=1e-6)
     assert s["delta_nll"] == pytest.approx((pt["nll"] - pt["nll_full"]).mean(), abs=1e-6)
     assert all(not isinstance(v, list | dict) for k, v in s.items() if k != "strategy_params")  # scalars only
-    assert s["kl_mean"] > 0 and 0 < s["agreement"] < 1 and s["path"] == "loop" and s["occupancy_max"] == 8
+    assert s["kl_mean"] > 0 and 0 < s["agreement"] < 1 and s["path"] == "blocked" and s["occupancy_max"] == 8
     assert 0 < s["policy_time_share"] < 1 and s["token_steps_per_s"] > 0 and s["peak_rss_bytes"] > 0
     assert s["strategy_label"] == "h2o" and s["evicts"] and not s["non_causal"]
 

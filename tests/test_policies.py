@@ -11,8 +11,8 @@ import torch
 from evictlab.cache import POLICIES, make_policy
 from evictlab.cache.policies import StepContext, choose_victim
 from evictlab.eval import PositionMode, StreamSpec, full_reference, reference_stream, stream
+from evictlab.eval.blocked import schedulable
 from evictlab.eval.engine import parallel_ok
-from evictlab.eval.scheduled import schedulable
 from evictlab.models.gpt import GPT, GPTConfig
 
 T = 40  # stream length (tokens, prefix included): 39 predicted tokens
@@ -174,25 +174,29 @@ def test_blocked_static_paths_equal_the_token_loop(setup, name, mode):
         torch.testing.assert_close(blocked.nll, loop.nll, rtol=0, atol=1e-10)
 
 
-SCHEDULED = [n for n in NAMES if schedulable(make_policy(n))]
+BLOCKED = [n for n in NAMES if not make_policy(n).recompute and make_policy(n).static_window(1) is None]
 
 
-def test_scheduled_path_exists_for_the_policies_that_never_read_attention():
-    assert set(SCHEDULED) == {"l2norm", "random"}
-    assert all(not POLICIES[n].needs_attention and not POLICIES[n].needs_future for n in SCHEDULED)
+def test_block_paths_exist_for_every_policy_that_is_not_position_static():
+    assert set(BLOCKED) == {"h2o", "l2norm", "oracle", "random", "scissorhands", "tova"}
+    # the scheduled path: the policies whose decisions never read attention (in original positions)
+    assert {n for n in BLOCKED if schedulable(make_policy(n))} == {"l2norm", "random"}
 
 
 @pytest.mark.parametrize("block", [5, 7, 64])  # blocks shorter than the budget, and one block for all
-@pytest.mark.parametrize("name", SCHEDULED)
-def test_scheduled_path_equals_token_loop(setup, name, block):
-    """Each block's evictions replayed first, then one masked attention: the same entries survive every
-    step as in the token loop, so the same per-token values, diagnostics and final kept sets."""
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("name", BLOCKED)
+def test_block_paths_equal_token_loop(setup, name, mode, block):
+    """The loop nest turned around (each block layer by layer; scheduled: evictions replayed, then one
+    masked attention): the same entries survive every step as in the token loop, so the same per-token
+    values, diagnostics and final kept sets."""
     model, tokens, ref = setup
     budget = small_budget(name)
-    spec = StreamSpec(block=block)
+    spec = StreamSpec(position_mode=mode, block=block)
     fast = stream(model, tokens, make_policy(name), budget, spec, reference=ref)
-    loop = run(setup, name, "original", budget, force_loop=True)
-    assert fast.path == "scheduled" and loop.path == "loop"
+    loop = run(setup, name, mode, budget, force_loop=True)
+    scheduled = schedulable(make_policy(name)) and mode == "original"
+    assert fast.path == ("scheduled" if scheduled else "blocked") and loop.path == "loop"
     torch.testing.assert_close(fast.nll, loop.nll, rtol=0, atol=1e-10)
     torch.testing.assert_close(fast.kl, loop.kl, rtol=0, atol=1e-10)
     assert torch.equal(fast.correct, loop.correct)
@@ -200,8 +204,6 @@ def test_scheduled_path_equals_token_loop(setup, name, block):
     assert torch.equal(fast.occupancy, loop.occupancy)
     for a, b in zip(fast.kept, loop.kept, strict=True):
         assert torch.equal(a.sort(-1).values, b.sort(-1).values)
-    cache = run(setup, name, "cache", budget)  # ranks differ per query: the token loop
-    assert cache.path == "loop"
 
 
 def test_chunked_full_reference_equals_the_unchunked_one(setup):

@@ -7,8 +7,11 @@ Three exact paths, chosen from the policy's own flags (``spec.force_loop`` alway
   its window reaches (eval/static.py).
 * **scheduled** - policies whose decisions never read attention (random, l2norm) in ``original`` mode:
   each block's evictions are replayed on the slot bookkeeping first, then the block attends at once
-  under the resulting mask (eval/scheduled.py).
-* **loop** - one token per step over preallocated slot buffers (eval/loop.py).
+  under the resulting mask (eval/blocked.py).
+* **blocked** - every other policy: the token loop layer by layer over a block of steps, so only the
+  cache's write, attention and eviction run per step and the rest as block matmuls (eval/blocked.py).
+* **loop** - one token per step over preallocated slot buffers (eval/loop.py): ``spec.force_loop``,
+  ``spec.compile`` (its steady step compiled), and generation.
 * **recompute** - policies that keep no cache (`recompute`): every prediction is a fresh forward over the
   last budget+1 tokens, run as batched forwards over the windows of a block of steps.
 
@@ -26,14 +29,16 @@ import torch
 from evictlab.cache.budget import budgets_for
 from evictlab.cache.policies import Policy
 from evictlab.errors import ConfigError
+from evictlab.eval.blocked import schedulable, stream_blocked
 from evictlab.eval.full import FullReference
 from evictlab.eval.loop import stream_loop
-from evictlab.eval.scheduled import schedulable, stream_scheduled
 from evictlab.eval.spec import DEFAULT, PositionMode, StreamSpec, check_positions
 from evictlab.eval.static import stream_recompute, stream_static
 from evictlab.models.gpt import GPT
 
-SCHEDULED_BLOCK = 256  # queries per block on the scheduled path (its mask is [B, H, block, budget + block])
+BLOCKED_STEPS = (
+    256  # steps per block on the block paths (the scheduled mask is [B, H, block, budget + block])
+)
 
 
 @dataclass
@@ -41,7 +46,7 @@ class StreamOutput:
     nll: torch.Tensor  # [B, n] per predicted token
     correct: torch.Tensor  # [B, n] 1 where the policy's top-1 prediction is the true token
     occupancy: torch.Tensor  # [n, L] entries held after each step
-    path: str  # parallel | scheduled | loop | recompute
+    path: str  # parallel | scheduled | blocked | loop | recompute
     budgets: list[int]  # per layer
     kl: torch.Tensor | None = None  # [B, n] KL(p_full || p_policy)
     agree: torch.Tensor | None = None  # [B, n] top-1 agreement with the full cache
@@ -82,16 +87,17 @@ def _loop_output(model, tokens, policy, budgets, ref, doc, spec: StreamSpec) -> 
     )
 
 
-def _scheduled_output(model, tokens, policy, budgets, ref, doc, spec: StreamSpec) -> StreamOutput:
-    block = min(spec.block, SCHEDULED_BLOCK)
-    per_token, state = stream_scheduled(model, tokens, policy, budgets, ref, doc, block)
+def _blocked_output(model, tokens, policy, budgets, ref, doc, spec: StreamSpec, scheduled: bool):
+    block = min(spec.block, BLOCKED_STEPS)
+    mode = spec.position_mode
+    per_token, loop = stream_blocked(model, tokens, policy, budgets, mode, ref, doc, block, scheduled)
     return StreamOutput(
         **per_token,
-        occupancy=state.occupancy,
-        path="scheduled",
+        occupancy=loop.occupancy,
+        path="scheduled" if scheduled else "blocked",
         budgets=budgets,
-        policy_seconds=state.policy_seconds,
-        kept=[c.pos.clone() for c in state.caches],
+        policy_seconds=loop.policy_seconds,
+        kept=[c.pos.clone() for c in loop.caches],
     )
 
 
@@ -134,8 +140,9 @@ def stream(
             budgets,
             "parallel",
         )
-    elif schedulable(policy) and spec.position_mode is PositionMode.original and not spec.force_loop:
-        out = _scheduled_output(model, tokens, policy, budgets, reference, doc, spec)
+    elif not (spec.force_loop or spec.compile):
+        scheduled = schedulable(policy) and spec.position_mode is PositionMode.original
+        out = _blocked_output(model, tokens, policy, budgets, reference, doc, spec, scheduled)
     else:
         out = _loop_output(model, tokens, policy, budgets, reference, doc, spec)
     out.seconds = time.perf_counter() - start

@@ -234,23 +234,30 @@ class TokenLoop:
         if self.rotate_on_write:
             cos, sin = self.rope.at(t)
             q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+        return a.out(self.step(l, q, k, v, init))
+
+    def step(self, l: int, q, k, v, init: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Layer l of step t from the projected entry (q [B, H, 1, D]; k, v [B, Hkv, 1, D], rotated at
+        position t in original mode, unrotated in cache mode; `init` its policy state): store it, attend
+        to the held entries, evict to budget -> the attention output [B, 1, C] (before c_proj)."""
+        cache, t = self.caches[l], self.t
         cache.write(k, v, t, init)
         K, V, P = cache.held()
         if self.reindex:  # ranks 0..m-1 inside the cache, the query last
             r = ranks(P[0, 0]) if self.policy.position_only else ranks(P)  # one layout, or per doc/head
             K = rotate(K, *self.rope.ranks(r))
             q = rotate(q, *self.rope.ranks(cache.count - 1))
-        y, row = self.attention(a, q, K, V, P >= 0)
+        y, row = self.attention(q, K, V, P >= 0)
         if self.steady:  # no diagnostics or occupancy to record: the caller fills occupancy in
             self.evict(l, cache, P, row)
-            return a.out(y)
+            return y
         if self.lost is not None:
             self.lost.observe(l, t, P)  # (only the steps the reference covers)
         self.evict(l, cache, P, row)
         self.occupancy[t, l] = cache.count
-        return a.out(y)
+        return y
 
-    def attention(self, a: CausalSelfAttention, q, K, V, valid) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def attention(self, q, K, V, valid) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The query's attention over the held entries -> (output [B, 1, C], the attention row [B, Hkv, U]
         averaged over each KV head's query heads, or None when the policy does not read it).
 
@@ -264,12 +271,14 @@ class TokenLoop:
         y = (w @ V).reshape(B, 1, H * D)
         return y, (w.mean(2) if self.policy.needs_attention else None)
 
-    def evict(self, l: int, cache: LayerCache, pos: torch.Tensor, row: torch.Tensor | None) -> None:
-        """Let the policy observe the step, then evict its lowest-scored entry if the cache is over budget."""
+    def evict(self, l: int, cache: LayerCache, pos: torch.Tensor, row: torch.Tensor | None):
+        """Let the policy observe the step, then evict its lowest-scored entry if the cache is over budget
+        -> the victim slot [B, Hkv] (None if nothing was evicted)."""
         start = None if self.steady else time.perf_counter()
-        evict_step(self.policy, cache, self.t, l, self.budgets[l], self.doc, row, self.future_of(l))
+        victim = evict_step(self.policy, cache, self.t, l, self.budgets[l], self.doc, row, self.future_of(l))
         if start is not None:
             self.policy_seconds += time.perf_counter() - start
+        return victim
 
     def future_of(self, l: int):
         """For the oracle: pos [B, Hkv, S] -> the attention later full-cache queries put on them."""
