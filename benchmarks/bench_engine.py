@@ -64,6 +64,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--slow-docs", type=int, default=8, help=slow_help)
     ap.add_argument("--policies", default="all", help="comma-separated names, or all")
     ap.add_argument("--compile", action="store_true", help="eval.compile: the loop's steady step compiled")
+    ap.add_argument("--force-loop", action="store_true", help="eval.force_loop: every policy on the loop")
     ap.add_argument("--out", default=None, help="JSON path (default outputs/bench/latest.json)")
     args = ap.parse_args(argv)
 
@@ -112,7 +113,13 @@ def main(argv: list[str] | None = None) -> dict:
             docs,
             policy,
             args.budget,
-            StreamSpec(position_mode=mode, batch_size=batch, diagnostics=False, compile=args.compile),
+            StreamSpec(
+                position_mode=mode,
+                batch_size=batch,
+                diagnostics=False,
+                compile=args.compile,
+                force_loop=args.force_loop,
+            ),
         )
         eng_tps = res.summary["token_steps_per_s"]
         ref_tps = ref_tokens / ref_s
@@ -150,6 +157,7 @@ def main(argv: list[str] | None = None) -> dict:
     report = {
         "date": time.strftime("%Y-%m-%d"),
         "compile": args.compile,
+        "force_loop": args.force_loop,
         "machine": {
             "cpu": cpu_name(),
             "threads": args.threads,
