@@ -1,11 +1,13 @@
 """Where a token-loop step spends its time (torch.profiler), at make bench's shapes.
 
-    python benchmarks/profile_loop.py h2o original          # policy, position mode
+    python benchmarks/profile_loop.py h2o original          # policy, position mode (the token loop)
+    python benchmarks/profile_loop.py h2o original --engine auto   # the path the engine picks (blocked)
     python benchmarks/profile_loop.py streaming_llm cache --tokens 256 --docs 64
 
-gpt_small with random weights, `--docs` documents x `--tokens` tokens, budget 128, 1 thread, the loop
-forced (diagnostics off). Prints tokens/s and ms per step of an unprofiled pass, then the profiler's
-table of aten ops by self CPU time for a second pass.
+gpt_small with random weights, `--docs` documents x `--tokens` tokens, budget 128, 1 thread, diagnostics
+off, the token loop forced (`--engine loop`, the default) or the engine's own choice (`--engine auto`).
+Prints tokens/s and ms per step of an unprofiled pass, then the profiler's table of aten ops by self
+CPU time for a second pass.
 """
 
 from __future__ import annotations
@@ -30,13 +32,17 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=256)
     ap.add_argument("--budget", type=int, default=128)
     ap.add_argument("--rows", type=int, default=20)
+    ap.add_argument("--engine", choices=["loop", "auto"], default="loop")
     args = ap.parse_args()
     torch.set_num_threads(1)
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=258)).eval()
     tokens = torch.randint(0, 256, (args.docs, args.tokens + 1))
     spec = StreamSpec(
-        position_mode=PositionMode(args.mode), batch_size=args.docs, diagnostics=False, force_loop=True
+        position_mode=PositionMode(args.mode),
+        batch_size=args.docs,
+        diagnostics=False,
+        force_loop=args.engine == "loop",
     )
     policy = make_policy(args.policy)
     stream(model, tokens[:, :64], policy, args.budget, spec)  # warm-up
@@ -45,7 +51,8 @@ def main() -> None:
     seconds = time.perf_counter() - start
     steps = args.tokens
     rate, step_ms = args.docs * steps / seconds, seconds / steps * 1e3
-    print(f"{args.policy} {args.mode}: {rate:,.0f} tok/s, {step_ms:.2f} ms/step")
+    path = stream(model, tokens[:, :8], policy, args.budget, spec).path
+    print(f"{args.policy} {args.mode} [{path}]: {rate:,.0f} tok/s, {step_ms:.2f} ms/step")
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         stream(model, tokens, policy, args.budget, spec)
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.rows))
