@@ -58,6 +58,7 @@ def test_make_paper_refreshes_the_snapshot_from_the_sweep(tmp_path: Path, monkey
     import shutil
 
     src = paper.EXPERIMENTS / "position_modes"
+    exp = paper.load_spec(src)["experiment"]  # (the sweep the folder's figures read)
     folder = tmp_path / "experiments" / "position_modes"
     shutil.copytree(src, folder)
     for f in (folder / "snapshot").iterdir():
@@ -68,7 +69,7 @@ def test_make_paper_refreshes_the_snapshot_from_the_sweep(tmp_path: Path, monkey
 
     def fake_make(cmd, cwd, check):
         calls.append(cmd)
-        sweep = outputs / "runs" / "position_modes"
+        sweep = outputs / "runs" / exp
         sweep.mkdir(parents=True, exist_ok=True)
         for t in ("results", "streams", "curves"):
             shutil.copyfile(src / "snapshot" / f"{t}.parquet", sweep / f"{t}.parquet")
@@ -76,9 +77,7 @@ def test_make_paper_refreshes_the_snapshot_from_the_sweep(tmp_path: Path, monkey
     monkeypatch.setattr(paper.subprocess, "run", fake_make)
     monkeypatch.setattr(paper, "EXPERIMENTS", tmp_path / "experiments")
     assert paper.main(["run", "--launcher", "submitit_local", "--out", str(tmp_path / "figs")]) == 0
-    assert calls == [
-        ["make", "sweep", "EXP=position_modes", "GROUP=position_modes", "LAUNCHER=submitit_local"]
-    ]
+    assert calls == [["make", "sweep", f"EXP={exp}", f"GROUP={exp}", "LAUNCHER=submitit_local"]]
     assert {p.name for p in (folder / "snapshot").iterdir()} == {
         "results.parquet",
         "streams.parquet",
