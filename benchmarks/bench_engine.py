@@ -34,7 +34,7 @@ FLOOR_TARGETS = {"parallel": 0.35, "score_free": 0.25, "scored": 0.15}
 
 def kind(policy, path: str) -> str:
     """Which target a row is held to: the block paths (parallel), attention-scored policies (scored), or
-    the rest (score-free: windows in cache mode, l2norm, random, on the loop or the scheduled path)."""
+    the rest (score-free: l2norm, random, windows on the loop)."""
     if path == "parallel":
         return "parallel"
     return "scored" if policy.needs_attention or policy.needs_future else "score_free"

@@ -25,7 +25,7 @@ def test_bench_writes_rows_with_ratios(tmp_path: Path, monkeypatch):
     paths = {r["policy"]: r["path"] for r in rows}
     assert paths == {
         "window": "parallel", "h2o": "blocked", "oracle": "blocked", "recompute_window": "recompute",
-        "random": "scheduled",
+        "random": "blocked",
     }  # fmt: skip
     floor = {(r["policy"], r["position_mode"]): r["target_floor_fraction"] for r in rows}
     assert floor == {

@@ -11,7 +11,6 @@ import torch
 from evictlab.cache import POLICIES, make_policy
 from evictlab.cache.policies import StepContext, choose_victim
 from evictlab.eval import PositionMode, StreamSpec, full_reference, reference_stream, stream
-from evictlab.eval.blocked import schedulable
 from evictlab.eval.engine import parallel_ok
 from evictlab.models.gpt import GPT, GPTConfig
 
@@ -179,24 +178,20 @@ BLOCKED = [n for n in NAMES if not make_policy(n).recompute and make_policy(n).s
 
 def test_block_paths_exist_for_every_policy_that_is_not_position_static():
     assert set(BLOCKED) == {"h2o", "l2norm", "oracle", "random", "scissorhands", "tova"}
-    # the scheduled path: the policies whose decisions never read attention (in original positions)
-    assert {n for n in BLOCKED if schedulable(make_policy(n))} == {"l2norm", "random"}
 
 
 @pytest.mark.parametrize("block", [5, 7, 64])  # blocks shorter than the budget, and one block for all
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("name", BLOCKED)
 def test_block_paths_equal_token_loop(setup, name, mode, block):
-    """The loop nest turned around (each block layer by layer; scheduled: evictions replayed, then one
-    masked attention): the same entries survive every step as in the token loop, so the same per-token
-    values, diagnostics and final kept sets."""
+    """The loop nest turned around (each block layer by layer): the same entries survive every step as in
+    the token loop, so the same per-token values, diagnostics and final kept sets."""
     model, tokens, ref = setup
     budget = small_budget(name)
     spec = StreamSpec(position_mode=mode, block=block)
     fast = stream(model, tokens, make_policy(name), budget, spec, reference=ref)
     loop = run(setup, name, mode, budget, force_loop=True)
-    scheduled = schedulable(make_policy(name)) and mode == "original"
-    assert fast.path == ("scheduled" if scheduled else "blocked") and loop.path == "loop"
+    assert fast.path == "blocked" and loop.path == "loop"
     torch.testing.assert_close(fast.nll, loop.nll, rtol=0, atol=1e-10)
     torch.testing.assert_close(fast.kl, loop.kl, rtol=0, atol=1e-10)
     assert torch.equal(fast.correct, loop.correct)

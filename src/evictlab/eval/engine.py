@@ -1,15 +1,12 @@
 """The streaming engine: teacher-forced decoding of a batch of documents through a fixed-budget KV cache.
 
-Three exact paths, chosen from the policy's own flags (``spec.force_loop`` always takes the token loop):
+Four exact paths, chosen from the policy's own flags (``spec.force_loop`` always takes the token loop):
 
 * **parallel** - position-static policies (`static_window`) in both position modes (in ``cache`` mode a
   contiguous run keeps its distances and only the sinks move): blocks of queries, each over the keys
   its window reaches (eval/static.py).
-* **scheduled** - policies whose decisions never read attention (random, l2norm) in ``original`` mode:
-  each block's evictions are replayed on the slot bookkeeping first, then the block attends at once
-  under the resulting mask (eval/blocked.py).
-* **blocked** - every other policy: the token loop layer by layer over a block of steps, so only the
-  cache's write, attention and eviction run per step and the rest as block matmuls (eval/blocked.py).
+* **blocked** - every other cache policy: the token loop layer by layer over a block of steps, so only
+  the cache's write, attention and eviction run per step and the rest as block matmuls (eval/blocked.py).
 * **loop** - one token per step over preallocated slot buffers (eval/loop.py): ``spec.force_loop``,
   ``spec.compile`` (its steady step compiled), and generation.
 * **recompute** - policies that keep no cache (`recompute`): every prediction is a fresh forward over the
@@ -29,16 +26,17 @@ import torch
 from evictlab.cache.budget import budgets_for
 from evictlab.cache.policies import Policy
 from evictlab.errors import ConfigError
-from evictlab.eval.blocked import schedulable, stream_blocked
+from evictlab.eval.blocked import stream_blocked
 from evictlab.eval.full import FullReference
 from evictlab.eval.loop import stream_loop
 from evictlab.eval.spec import DEFAULT, PositionMode, StreamSpec, check_positions
 from evictlab.eval.static import stream_recompute, stream_static
 from evictlab.models.gpt import GPT
 
-BLOCKED_STEPS = (
-    256  # steps per block on the block paths (the scheduled mask is [B, H, block, budget + block])
-)
+# At most this many steps per block on the blocked path and on the static path of bounded windows (whose
+# attention is block x (block + budget)); the full cache's static path takes spec.block. Measured with make
+# bench's workload (2026-12-01): 64-128 best for both; 2,048 ran a window at half the rate of 128.
+BLOCK_STEPS = 128
 
 
 @dataclass
@@ -46,7 +44,7 @@ class StreamOutput:
     nll: torch.Tensor  # [B, n] per predicted token
     correct: torch.Tensor  # [B, n] 1 where the policy's top-1 prediction is the true token
     occupancy: torch.Tensor  # [n, L] entries held after each step
-    path: str  # parallel | scheduled | blocked | loop | recompute
+    path: str  # parallel | blocked | loop | recompute
     budgets: list[int]  # per layer
     kl: torch.Tensor | None = None  # [B, n] KL(p_full || p_policy)
     agree: torch.Tensor | None = None  # [B, n] top-1 agreement with the full cache
@@ -87,14 +85,13 @@ def _loop_output(model, tokens, policy, budgets, ref, doc, spec: StreamSpec) -> 
     )
 
 
-def _blocked_output(model, tokens, policy, budgets, ref, doc, spec: StreamSpec, scheduled: bool):
-    block = min(spec.block, BLOCKED_STEPS)
-    mode = spec.position_mode
-    per_token, loop = stream_blocked(model, tokens, policy, budgets, mode, ref, doc, block, scheduled)
+def _blocked_output(model, tokens, policy, budgets, ref, doc, spec: StreamSpec) -> StreamOutput:
+    block, mode = min(spec.block, BLOCK_STEPS), spec.position_mode
+    per_token, loop = stream_blocked(model, tokens, policy, budgets, mode, ref, doc, block)
     return StreamOutput(
         **per_token,
         occupancy=loop.occupancy,
-        path="scheduled" if scheduled else "blocked",
+        path="blocked",
         budgets=budgets,
         policy_seconds=loop.policy_seconds,
         kept=[c.pos.clone() for c in loop.caches],
@@ -134,15 +131,12 @@ def stream(
         out = _static_output(per_token, tokens, budgets, "recompute")
     elif parallel_ok(policy, spec.position_mode) and not spec.force_loop:
         cache_mode = spec.position_mode is PositionMode.cache
-        out = _static_output(
-            stream_static(model, tokens, windows, reference, spec.block, cache_mode),
-            tokens,
-            budgets,
-            "parallel",
-        )
+        bounded = all(recent is not None for _, recent in windows)
+        block = min(spec.block, BLOCK_STEPS) if bounded else spec.block
+        per_token = stream_static(model, tokens, windows, reference, block, cache_mode)
+        out = _static_output(per_token, tokens, budgets, "parallel")
     elif not (spec.force_loop or spec.compile):
-        scheduled = schedulable(policy) and spec.position_mode is PositionMode.original
-        out = _blocked_output(model, tokens, policy, budgets, reference, doc, spec, scheduled)
+        out = _blocked_output(model, tokens, policy, budgets, reference, doc, spec)
     else:
         out = _loop_output(model, tokens, policy, budgets, reference, doc, spec)
     out.seconds = time.perf_counter() - start

@@ -247,7 +247,7 @@ class TokenLoop:
             r = ranks(P[0, 0]) if self.policy.position_only else ranks(P)  # one layout, or per doc/head
             K = rotate(K, *self.rope.ranks(r))
             q = rotate(q, *self.rope.ranks(cache.count - 1))
-        y, row = self.attention(q, K, V, P >= 0)
+        y, row = self.attention(q, K, V, None if cache.count == cache.used else P >= 0)
         if self.steady:  # no diagnostics or occupancy to record: the caller fills occupancy in
             self.evict(l, cache, P, row)
             return y
@@ -258,8 +258,9 @@ class TokenLoop:
         return y
 
     def attention(self, q, K, V, valid) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The query's attention over the held entries -> (output [B, 1, C], the attention row [B, Hkv, U]
-        averaged over each KV head's query heads, or None when the policy does not read it).
+        """The query's attention over the held entries (valid [B, Hkv, U]: the slots that hold one; None
+        when all do) -> (output [B, 1, C], the attention row [B, Hkv, U] averaged over each KV head's
+        query heads, or None when the policy does not read it).
 
         Two batched matmuls over the KV heads (each KV head's query heads are the rows of one GEMM), the
         same for every policy: no einsum (it copied K to a permuted layout every step), no masked SDPA
@@ -267,7 +268,7 @@ class TokenLoop:
         B, H, _, D = q.shape
         qg = q.view(B, H // self.groups, self.groups, D)  # [B, Hkv, g, D]
         s = (qg @ K.transpose(-1, -2)) * self.scale  # [B, Hkv, g, U]
-        w = s.masked_fill(~valid[:, :, None], float("-inf")).softmax(-1)
+        w = (s if valid is None else s.masked_fill(~valid[:, :, None], float("-inf"))).softmax(-1)
         y = (w @ V).reshape(B, 1, H * D)
         return y, (w.mean(2) if self.policy.needs_attention else None)
 

@@ -112,7 +112,7 @@ class Recorder:
         m = token_metrics(logp[:, : c - s], self.tgt[:, s:c], self.ref.logp[:, s:c])
         self._write("kl", s, m["kl"])
         self._write("agree", s, m["agree"])
-        if self.ref.attn is not None and self.windows is not None:  # (a scheduled path tracks its own)
+        if self.ref.attn is not None and self.windows is not None:  # (the blocked path tracks its own)
             self._write("lost", s, self.lost(s, c))
 
     def lost(self, s: int, c: int) -> torch.Tensor:
