@@ -135,6 +135,15 @@ def test_window_is_the_same_in_both_position_modes(setup):
         torch.testing.assert_close(a.nll, b.nll, rtol=0, atol=1e-10)
 
 
+def assert_same_stream(fast, loop) -> None:
+    """A fast path's per-token values, diagnostics and occupancy equal the token loop's."""
+    torch.testing.assert_close(fast.nll, loop.nll, rtol=0, atol=1e-10)
+    torch.testing.assert_close(fast.kl, loop.kl, rtol=0, atol=1e-10)
+    assert torch.equal(fast.correct, loop.correct)
+    torch.testing.assert_close(fast.lost, loop.lost, rtol=0, atol=1e-10)
+    assert torch.equal(fast.occupancy, loop.occupancy)
+
+
 PARALLEL = [(n, m) for n in NAMES for m in MODES if parallel_ok(make_policy(n), PositionMode(m))]
 
 
@@ -149,11 +158,7 @@ def test_parallel_path_equals_token_loop(setup, name, mode):
     budget = small_budget(name)
     fast, loop = run(setup, name, mode, budget), run(setup, name, mode, budget, force_loop=True)
     assert fast.path == "parallel" and loop.path == "loop"
-    torch.testing.assert_close(fast.nll, loop.nll, rtol=0, atol=1e-10)
-    torch.testing.assert_close(fast.kl, loop.kl, rtol=0, atol=1e-10)
-    assert torch.equal(fast.correct, loop.correct)
-    torch.testing.assert_close(fast.lost, loop.lost, rtol=0, atol=1e-10)
-    assert torch.equal(fast.occupancy, loop.occupancy)
+    assert_same_stream(fast, loop)
 
 
 @pytest.mark.parametrize("name, mode", PARALLEL + [("recompute_window", m) for m in MODES])
@@ -192,11 +197,7 @@ def test_block_paths_equal_token_loop(setup, name, mode, block):
     fast = stream(model, tokens, make_policy(name), budget, spec, reference=ref)
     loop = run(setup, name, mode, budget, force_loop=True)
     assert fast.path == "blocked" and loop.path == "loop"
-    torch.testing.assert_close(fast.nll, loop.nll, rtol=0, atol=1e-10)
-    torch.testing.assert_close(fast.kl, loop.kl, rtol=0, atol=1e-10)
-    assert torch.equal(fast.correct, loop.correct)
-    torch.testing.assert_close(fast.lost, loop.lost, rtol=0, atol=1e-10)
-    assert torch.equal(fast.occupancy, loop.occupancy)
+    assert_same_stream(fast, loop)
     for a, b in zip(fast.kept, loop.kept, strict=True):
         assert torch.equal(a.sort(-1).values, b.sort(-1).values)
 
