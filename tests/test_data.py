@@ -179,3 +179,18 @@ def test_man_pages_are_read_where_they_stand_as_text(tmp_path):
     assert [d.id for d in docs] == ["man1/ls.1.gz"] and "list directory contents" in docs[0].text
     with pytest.raises(DataError, match="no manual pages under"):
         _man_pages(str(tmp_path / "nowhere"))
+
+
+def test_exclude_drops_documents_by_id_pattern_and_stays_out_of_keys(tmp_path: Path):
+    from evictlab.config import key_dict
+
+    for name in ("intro.txt", "gen-a.txt", "gen-b.txt"):
+        (tmp_path / name).write_text(f"text of {name}\n")
+    cfg = DatasetConfig(kind="text_files", path=str(tmp_path))
+    assert len(load_documents(cfg)) == 3
+    kept = load_documents(DatasetConfig(kind="text_files", path=str(tmp_path), exclude=["*/gen-*"]))
+    assert [d.id.rsplit("/", 1)[1] for d in kept] == ["intro.txt#0"]
+    with pytest.raises(DataError, match="leaves none of the 3 documents"):
+        load_documents(DatasetConfig(kind="text_files", path=str(tmp_path), exclude=["*.txt#0"]))
+    # no exclusion: the key of every corpus (and so of every checkpoint) is what it was before the field
+    assert "exclude" not in key_dict(cfg) and key_dict(DatasetConfig(exclude=["x*"]))["exclude"] == ["x*"]

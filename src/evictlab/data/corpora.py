@@ -8,6 +8,7 @@ folder or glob; ``hf_dataset`` reads a Hugging Face dataset (hub id or local fol
 
 from __future__ import annotations
 
+import fnmatch
 import glob
 import gzip
 import hashlib
@@ -15,7 +16,7 @@ import logging
 import os
 import re
 import sysconfig
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
 
@@ -38,6 +39,9 @@ class DatasetConfig:
     kind: CorpusKind = CorpusKind.pydoc_topics
     max_bytes: int = 0  # cap on the corpus size in UTF-8 bytes, whole documents in order (0 = no cap)
     min_doc_chars: int = 1  # drop documents shorter than this
+    # drop documents whose id (e.g. "man1/gcloud-compute.1.gz") matches one of these fnmatch patterns;
+    # empty is left out of every key (config.neutral, spelled out: config.py imports this module)
+    exclude: list[str] = field(default_factory=list, metadata={"neutral": []})
     val_fraction: float = 0.1  # share of documents in the validation split
     test_fraction: float = 0.1  # share of documents in the test split (the evaluation streams)
     split_seed: int = 0
@@ -241,6 +245,12 @@ def load_documents(cfg: DatasetConfig) -> list[Document]:
         CorpusKind.man_pages: lambda: _man_pages(),
     }
     docs = [d for d in loaders[cfg.kind]() if len(d.text) >= cfg.min_doc_chars]
+    if cfg.exclude:
+        kept = [d for d in docs if not any(fnmatch.fnmatchcase(d.id, p) for p in cfg.exclude)]
+        if not kept:
+            raise DataError(f"dataset.exclude={list(cfg.exclude)} leaves none of the {len(docs)} documents")
+        log.info("dataset.exclude: %d of %d documents dropped", len(docs) - len(kept), len(docs))
+        docs = kept
     if cfg.max_bytes:
         kept, total = [], 0
         for d in docs:
