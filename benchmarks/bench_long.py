@@ -2,7 +2,7 @@
 
     python benchmarks/bench_long.py                      # the rows (about 15 minutes here)
     python benchmarks/bench_long.py --lengths 8192,32768 --policies window
-    python benchmarks/bench_long.py --no-compile            # the eager token loop (default: compiled)
+    python benchmarks/bench_long.py --compile            # the compiled token loop (default: the engine path)
 
 Workload: gpt_small with random weights, one stream of random byte tokens, budget `--budget`, 1 thread,
 diagnostics off and no full-cache reference (the engine alone). Each (policy, length) runs in a fresh
@@ -51,7 +51,7 @@ def one(policy: str, length: int, budget: int, compile: bool, seed: int = 0) -> 
 
 def measure(policy: str, length: int, budget: int, compile: bool) -> dict:
     cmd = [sys.executable, __file__, "--one", policy, str(length), "--budget", str(budget)]
-    cmd += [] if compile else ["--no-compile"]
+    cmd += ["--compile"] if compile else []
     res = subprocess.run(cmd, capture_output=True, text=True, check=True)
     return json.loads(res.stdout.strip().splitlines()[-1])
 
@@ -62,7 +62,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--policies", default="window,streaming_llm,h2o,tova")
     ap.add_argument("--budget", type=int, default=256)
     ap.add_argument("--full-length", type=int, default=32768, help="the full cache's stream (0: skip)")
-    ap.add_argument("--no-compile", dest="compile", action="store_false", help="the eager token loop")
+    ap.add_argument("--compile", action="store_true", help="eval.compile: the compiled token loop")
+    ap.add_argument("--no-compile", dest="compile", action="store_false", help="the engine's path (default)")
     ap.add_argument("--one", nargs=2, metavar=("POLICY", "LENGTH"), help=argparse.SUPPRESS)
     ap.add_argument("--out", default=None, help="JSON path (default outputs/bench/long.json)")
     args = ap.parse_args(argv)

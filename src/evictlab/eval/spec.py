@@ -30,7 +30,7 @@ class StreamSpec:
     progress: bool = False  # a progress bar over the batches (and over long streams)
     block: int = 2048  # queries per block on the static paths (memory O(block x (block + budget)))
     full_max_len: int = 4096  # the full-cache reference covers at most this many predictions per stream
-    compile: bool = False  # torch.compile the token loop's steady-state step (pays off on long streams)
+    compile: bool = False  # the token loop with its steady-state step compiled (instead of the blocked path)
 
     def __post_init__(self) -> None:  # accept the enums' string values too
         object.__setattr__(self, "position_mode", PositionMode(self.position_mode))
