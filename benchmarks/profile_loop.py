@@ -47,11 +47,10 @@ def main() -> None:
     policy = make_policy(args.policy)
     stream(model, tokens[:, :64], policy, args.budget, spec)  # warm-up
     start = time.perf_counter()
-    stream(model, tokens, policy, args.budget, spec)
+    path = stream(model, tokens, policy, args.budget, spec).path
     seconds = time.perf_counter() - start
     steps = args.tokens
     rate, step_ms = args.docs * steps / seconds, seconds / steps * 1e3
-    path = stream(model, tokens[:, :8], policy, args.budget, spec).path
     print(f"{args.policy} {args.mode} [{path}]: {rate:,.0f} tok/s, {step_ms:.2f} ms/step")
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         stream(model, tokens, policy, args.budget, spec)

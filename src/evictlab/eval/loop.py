@@ -83,43 +83,6 @@ def ranks(pos: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(pos).scatter_(-1, order, ar)
 
 
-def evict_step(
-    policy: Policy,
-    cache: LayerCache,
-    t: int | torch.Tensor,
-    layer: int,
-    budget: int,
-    doc: torch.Tensor,
-    row: torch.Tensor | None = None,
-    future=None,
-) -> torch.Tensor | None:
-    """Step t of one layer after its new entry is written: the policy observes the step (attention row
-    [B, Hkv, U] if it reads one), then the lowest-scored entry is evicted if the layer is over budget.
-    Returns the victim slot [B, Hkv], or None when nothing was evicted."""
-    if not (policy.evicts and (policy.needs_attention or cache.count > budget)):
-        cache.advance()
-        return None
-    pos = cache.pos[:, :, : cache.used]
-    ctx = StepContext(
-        t=t,
-        layer=layer,
-        budget=budget,
-        pos=pos,
-        keys=cache.k[:, :, : cache.used],
-        attn=row,
-        state=cache.held_state(),
-        doc=doc,
-        future=future,
-    )
-    policy.observe(ctx)
-    if cache.count <= budget:
-        cache.advance()
-        return None
-    victim = choose_victim(policy.scores(ctx), pos)
-    cache.evict(victim)
-    return victim
-
-
 class LostAttention:
     """Diagnostic: the full-cache attention that step t's query puts on entries the policy no longer holds
     (1 - the full-cache attention on the held positions, mean over heads), per step and layer [B, n, L]."""
@@ -272,14 +235,31 @@ class TokenLoop:
         y = (w @ V).reshape(B, 1, H * D)
         return y, (w.mean(2) if self.policy.needs_attention else None)
 
-    def evict(self, l: int, cache: LayerCache, pos: torch.Tensor, row: torch.Tensor | None):
-        """Let the policy observe the step, then evict its lowest-scored entry if the cache is over budget
-        -> the victim slot [B, Hkv] (None if nothing was evicted)."""
+    def evict(self, l: int, cache: LayerCache, pos: torch.Tensor, row: torch.Tensor | None) -> None:
+        """Let the policy observe the step, then evict its lowest-scored entry if the cache is over budget."""
+        budget, policy = self.budgets[l], self.policy
+        if not (policy.evicts and (policy.needs_attention or cache.count > budget)):
+            cache.advance()
+            return
         start = None if self.steady else time.perf_counter()
-        victim = evict_step(self.policy, cache, self.t, l, self.budgets[l], self.doc, row, self.future_of(l))
+        ctx = StepContext(
+            t=self.t,
+            layer=l,
+            budget=budget,
+            pos=pos,
+            keys=cache.k[:, :, : cache.used],
+            attn=row,
+            state=cache.held_state(),
+            doc=self.doc,
+            future=self.future_of(l),
+        )
+        policy.observe(ctx)
+        if cache.count > budget:
+            cache.evict(choose_victim(policy.scores(ctx), pos))
+        else:
+            cache.advance()
         if start is not None:
             self.policy_seconds += time.perf_counter() - start
-        return victim
 
     def future_of(self, l: int):
         """For the oracle: pos [B, Hkv, S] -> the attention later full-cache queries put on them."""
