@@ -37,19 +37,11 @@ class Random(Policy):
     def min_budget(self) -> int:
         return self.n_sink + 1
 
-    def _doc_hash(self, doc: torch.Tensor) -> torch.Tensor:
-        """The hash of (seed, document) [B, 1, 1]: the same for every step of a stream, so it is computed
-        once per batch of documents (the cache holds the last `doc` tensor seen)."""
-        cached = getattr(self, "_doc_cache", None)
-        if cached is None or cached[0] is not doc:
-            h = _mix(torch.tensor(self.seed + 0x9E3779B, device=doc.device))
-            cached = (doc, _mix(h ^ doc.view(-1, 1, 1)))
-            self._doc_cache = cached
-        return cached[1]
-
     def scores(self, ctx: StepContext) -> torch.Tensor:
         B, Hkv, _ = ctx.pos.shape
-        h = _mix(self._doc_hash(ctx.doc) ^ (ctx.layer * 0x10001 + ctx.t * 0x3F1))
+        h = _mix(torch.tensor(self.seed + 0x9E3779B, device=ctx.pos.device))
+        h = _mix(h ^ ctx.doc.view(B, 1, 1))
+        h = _mix(h ^ (ctx.layer * 0x10001 + ctx.t * 0x3F1))
         h = _mix(h ^ torch.arange(Hkv, device=ctx.pos.device).view(1, Hkv, 1))
         h = _mix(h ^ ctx.pos.clamp(min=0))
         return protect(h.to(ctx.keys.dtype) / 2**32, ctx, n_sink=self.n_sink)
