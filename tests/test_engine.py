@@ -190,6 +190,44 @@ def test_steady_state_starts_once_every_cache_is_full(model):
     assert steady("full", [8] * 4) is None
 
 
+def test_tracked_ranks_equal_sorting_the_positions():
+    """Cache mode re-indexes each document's and head's held keys by rank: the ranks a LayerCache updates on
+    every write and eviction equal `ranks(pos)` on the held slots, through random evictions."""
+    from evictlab.eval.loop import LayerCache, ranks
+
+    gen = torch.Generator().manual_seed(0)
+    B, Hkv, S = 3, 2, 6
+    cache = LayerCache(B, Hkv, S, 4, torch.empty(0), {})
+    cache.track_ranks()
+    for t in range(40):
+        cache.write(torch.randn(B, Hkv, 1, 4), torch.randn(B, Hkv, 1, 4), t, {})
+        held = cache.pos[:, :, : cache.used] >= 0
+        assert torch.equal(cache.rank[:, :, : cache.used][held], ranks(cache.pos[:, :, : cache.used])[held])
+        if cache.count == S:  # evict a random held slot of each document and head
+            cache.evict(torch.randint(0, S, (B, Hkv), generator=gen))
+        else:
+            cache.advance()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("rotary_dim", [0, 8])
+def test_pair_order_rotation_equals_rotate_half(dtype, rotary_dim):
+    """Cache mode holds keys in pair order and rotates them by rank with one complex multiply: the same
+    values as `rotate` in rotate-half order (partial rotary and half types included), permuted."""
+    from evictlab.eval.loop import RopeTable
+    from evictlab.models.gpt import rotate
+
+    cfg = GPTConfig(name="t", vocab_size=40, n_layer=1, n_head=2, n_embd=32, rotary_dim=rotary_dim)
+    like = torch.empty(0, dtype=dtype)
+    table = RopeTable(cfg, like, slots=7)
+    x = torch.randn(2, 2, 7, cfg.head_dim).to(dtype)
+    r = torch.stack([torch.randperm(7) for _ in range(4)]).view(2, 2, 7)
+    want = table.to_pairs(rotate(x, *table.ranks(r)))
+    got = table.rotate_ranks(table.to_pairs(x), r)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-6 if dtype != torch.bfloat16 else 1e-2)
+    assert torch.equal(table.to_pairs(x).index_select(-1, table.half_order), x)
+
+
 @pytest.mark.parametrize(
     "name, mode, smear", [("scissorhands", "original", 0), ("tova", "cache", 0), ("h2o", "original", 1)]
 )
