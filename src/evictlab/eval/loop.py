@@ -200,7 +200,7 @@ class TokenLoop:
         slots = max(min(b + 1, n) for b in budgets)  # cache-mode ranks are 0 .. slots-1
         self.like, self.rope = like, RopeTable(cfg, like, slots) if rope else None
         self.rotate_on_write = rope and mode is PositionMode.original  # keys stored at their text phase
-        self.reindex = rope and mode is PositionMode.cache  # keys held unrotated (pair order), re-indexed per step
+        self.reindex = rope and mode is PositionMode.cache  # keys held unrotated (pair order), by rank
         self.lost = None
         if ref is not None and ref.attn is not None:
             self.lost = LostAttention(ref, self.groups, B, n, cfg.n_layer, like)
@@ -244,13 +244,15 @@ class TokenLoop:
 
     def step(self, l: int, q, k, v, init: dict[str, torch.Tensor]) -> torch.Tensor:
         """Layer l of step t from the projected entry (q [B, H, 1, D]; k, v [B, Hkv, 1, D], rotated at
-        position t in original mode, unrotated in cache mode (held in pair order); `init` its policy state): store it, attend
-        to the held entries, evict to budget -> the attention output [B, 1, C] (before c_proj)."""
+        position t in original mode, unrotated in cache mode (held in pair order); `init` its policy
+        state): store it, attend to the held entries, evict to budget -> the attention output [B, 1, C]
+        (before c_proj)."""
         cache, t = self.caches[l], self.t
         cache.write(self.rope.to_pairs(k) if self.reindex else k, v, t, init)
         K, V, P = cache.held()
         if self.reindex:  # ranks 0..m-1 inside the cache, the query last (keys are held in pair order)
-            r = ranks(P[0, 0]) if self.policy.position_only else cache.rank[:, :, : cache.used]  # per doc/head
+            # one layout for every document and head, or each its own (tracked on write and evict)
+            r = ranks(P[0, 0]) if self.policy.position_only else cache.rank[:, :, : cache.used]
             K = self.rope.rotate_ranks(K, r)
             q = self.rope.rotate_ranks(self.rope.to_pairs(q), cache.count - 1)
         y, row = self.attention(q, K, V, None if cache.count == cache.used else P >= 0)
