@@ -57,9 +57,8 @@ class _BandAttention:
     static window is the sinks plus a contiguous run ending at the query, so every distance inside the run
     is its text distance, and only the sinks move: once query i holds n_sink + recent + 1 entries it sits
     at rank n_sink + recent, so it sees sink j at distance n_sink + recent - j instead of i - j. The block
-    attends with two queries at once, concatenated along the head dimension: the query at its position
-    against the run's keys and the query at min(i, n_sink + recent) against the sinks' (each key zero in
-    the other half), which is one exact attention."""
+    attends once at the queries' text positions, with an additive bias on the sinks' columns that turns
+    their scores into those of the query at min(i, n_sink + recent) (`sink_bias`)."""
 
     def __init__(self, caches: list[BandCache], cache_mode: bool = False):
         self.caches, self.pos, self.next_start, self.cache_mode = caches, None, 0, cache_mode
@@ -72,14 +71,27 @@ class _BandAttention:
         K, V, P = cache.extend(k, v, self.pos)
         mask = cache.visible(self.pos, P)
         if self.cache_mode and cache.n_sink and cache.recent is not None and a.rope_base is not None:
-            qs = a.rotate(q, self.pos.clamp(max=cache.n_sink + cache.recent))  # the query as the sinks see it
-            sink = (P < cache.n_sink).to(K.dtype)[:, None]  # [Tk, 1]
-            both_q, both_k = torch.cat([qr, qs], -1), torch.cat([K * (1 - sink), K * sink], -1)
-            y = a.attend(both_q, both_k, V, mask=mask, scale=q.shape[-1] ** -0.5)
+            y = a.attend(qr, K, V, mask=self.sink_bias(a, q, qr, K, P, mask, cache))
         else:
             y = a.attend(qr, K, V, mask=mask)
         cache.keep(K, V, P, self.next_start)
         return a.out(y)
+
+    def sink_bias(self, a: CausalSelfAttention, q, qr, K, P, mask, cache: BandCache) -> torch.Tensor:
+        """The additive attention bias [B, H, b, Tk] of cache mode: -inf where `mask` hides a key, and on
+        the sinks (the first keys held: positions sort ascending) the difference between the score at
+        the sinks' re-indexed distance and the score at their text distance, so that one attention of
+        the query at its text position is exact. (A bias rather than a second query: SDPA's fused CPU
+        kernel needs equal query and value widths, and the sinks are a few columns.)"""
+        ns = min(cache.n_sink, P.shape[0])  # the sinks are held from the first block on
+        qs = a.rotate(q, self.pos.clamp(max=cache.n_sink + cache.recent))  # the query as the sinks see it
+        B, H, b, D = q.shape
+        Hkv = K.shape[1]
+        dq = (qs - qr).view(B, Hkv, (H // Hkv) * b, D)  # each KV head's query heads as rows of one GEMM
+        fix = (dq @ K[:, :, :ns].transpose(-1, -2)).view(B, H, b, ns) * D**-0.5
+        bias = torch.zeros(B, H, b, K.shape[2], dtype=q.dtype, device=q.device)
+        bias[..., :ns] = fix
+        return bias.masked_fill_(~mask, float("-inf"))
 
 
 class Recorder:
