@@ -10,8 +10,9 @@ from evictlab.errors import ConfigError
 _MASK = 0xFFFFFFFF
 
 
-def _mix(x: torch.Tensor) -> torch.Tensor:
-    """A 32-bit integer hash on int64 tensors (multipliers < 2**31, so products never overflow)."""
+def _mix(x: torch.Tensor | int) -> torch.Tensor | int:
+    """A 32-bit integer hash on int64 tensors or Python ints, the same values (multipliers < 2**31, so
+    products never overflow)."""
     x = x & _MASK
     x = ((x ^ (x >> 16)) * 0x7FEB352D) & _MASK
     x = ((x ^ (x >> 15)) * 0x2C1B3C6D) & _MASK
@@ -39,9 +40,9 @@ class Random(Policy):
 
     def scores(self, ctx: StepContext) -> torch.Tensor:
         B, Hkv, _ = ctx.pos.shape
-        h = _mix(torch.tensor(self.seed + 0x9E3779B, device=ctx.pos.device))
-        h = _mix(h ^ ctx.doc.view(B, 1, 1))
+        h = _mix(_mix(self.seed + 0x9E3779B) ^ ctx.doc.view(B, 1, 1))  # (the seed's mix on the host)
         h = _mix(h ^ (ctx.layer * 0x10001 + ctx.t * 0x3F1))
         h = _mix(h ^ torch.arange(Hkv, device=ctx.pos.device).view(1, Hkv, 1))
         h = _mix(h ^ ctx.pos.clamp(min=0))
-        return protect(h.to(ctx.keys.dtype) / 2**32, ctx, n_sink=self.n_sink)
+        draw = h.to(ctx.keys.dtype) / 2**32
+        return protect(draw, ctx, n_sink=self.n_sink) if self.n_sink else draw
