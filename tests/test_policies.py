@@ -161,13 +161,14 @@ def test_parallel_path_equals_token_loop(setup, name, mode):
     assert_same_stream(fast, loop)
 
 
+@pytest.mark.parametrize("block", [3, 7])  # 3: the first block holds fewer tokens than StreamingLLM's 4 sinks
 @pytest.mark.parametrize("name, mode", PARALLEL + [("recompute_window", m) for m in MODES])
-def test_blocked_static_paths_equal_the_token_loop(setup, name, mode):
+def test_blocked_static_paths_equal_the_token_loop(setup, name, mode, block):
     """Streams several times the block: each block of queries sees only the keys its window reaches."""
     model, tokens, ref = setup
     budget = small_budget(name)
     blocked = stream(
-        model, tokens, make_policy(name), budget, StreamSpec(position_mode=mode, block=7), reference=ref
+        model, tokens, make_policy(name), budget, StreamSpec(position_mode=mode, block=block), reference=ref
     )
     whole = run(setup, name, mode, budget)  # one block
     torch.testing.assert_close(blocked.nll, whole.nll, rtol=0, atol=1e-10)
