@@ -118,7 +118,14 @@ class RopeTable:
     def __init__(self, cfg, like: torch.Tensor, slots: int, chunk: int = 4096):
         self.dims, self.base, self.like, self.chunk = cfg.rope_dims, cfg.rope_base, like, chunk
         self.rank_cos, self.rank_sin = self._table(0, slots)
-        self.rank_cis = self.pair_order = self.half_order = None  # built on first use
+        # cache mode: rank rows as complex numbers (none for half types: no complex type matches them), and
+        # the head's dims from rotate-half order to pair order and back
+        complex_ok = like.dtype in (torch.float32, torch.float64)
+        self.rank_cis = torch.complex(self.rank_cos, self.rank_sin) if complex_ok else None
+        half = self.dims // 2
+        pairs = torch.stack([torch.arange(half), torch.arange(half) + half], 1).flatten()
+        self.pair_order = torch.cat([pairs, torch.arange(self.dims, cfg.head_dim)]).to(like.device)
+        self.half_order = torch.argsort(self.pair_order)
         self.start, self.cos, self.sin = 0, self.rank_cos, self.rank_sin
 
     def _table(self, start: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -146,11 +153,6 @@ class RopeTable:
         """x [..., D] with its rotary dims in rotate-half order (x1_0..x1_{R/2-1}, x2_0..) -> the pair order
         (x1_0, x2_0, x1_1, x2_1, ..., then the dims that do not rotate). Scores are dot products, so queries
         and keys in the same order give the same attention."""
-        if self.pair_order is None:
-            half = self.dims // 2
-            pairs = torch.stack([torch.arange(half), torch.arange(half) + half], 1).flatten()
-            self.pair_order = torch.cat([pairs, torch.arange(self.dims, x.shape[-1])]).to(x.device)
-            self.half_order = torch.argsort(self.pair_order)  # back to rotate-half order
         return x.index_select(-1, self.pair_order)
 
     def rotate_ranks(self, x: torch.Tensor, r: torch.Tensor | int) -> torch.Tensor:
@@ -158,10 +160,8 @@ class RopeTable:
         multiply, (x1 + i x2)(cos + i sin), the same products and sums as `rotate`'s, in one kernel
         instead of six plus a gather per table (make bench: H2O in cache mode re-rotates every held key
         at every step)."""
-        if x.dtype not in (torch.float32, torch.float64):  # half types: no complex type to match
+        if self.rank_cis is None:  # half types: rotate in rotate-half order
             return self.to_pairs(rotate(x.index_select(-1, self.half_order), *self.ranks(r)))
-        if self.rank_cis is None:
-            self.rank_cis = torch.complex(self.rank_cos, self.rank_sin)
         if isinstance(r, torch.Tensor) and r.dim() > 0:
             cis = self.rank_cis.index_select(0, r.reshape(-1)).view(*r.shape, -1)
         else:
@@ -191,16 +191,16 @@ class TokenLoop:
         self.groups, self.scale = cfg.n_head // cfg.kv_heads, cfg.head_dim**-0.5
         like = torch.empty(0, dtype=model.wte.weight.dtype, device=doc.device)
         rope = cfg.pos_emb is PosEmb.rope
+        self.rotate_on_write = rope and mode is PositionMode.original  # keys stored at their text phase
+        self.reindex = rope and mode is PositionMode.cache  # keys held unrotated (pair order), by rank
         self.caches = []
         for S in (min(b + 1, n) for b in budgets):
             state = policy.init_state(B, cfg.kv_heads, S, like)
             self.caches.append(LayerCache(B, cfg.kv_heads, S, cfg.head_dim, like, state))
-            if rope and mode is PositionMode.cache and not policy.position_only:
+            if self.reindex and not policy.position_only:
                 self.caches[-1].track_ranks()  # each document and head holds its own positions
         slots = max(min(b + 1, n) for b in budgets)  # cache-mode ranks are 0 .. slots-1
         self.like, self.rope = like, RopeTable(cfg, like, slots) if rope else None
-        self.rotate_on_write = rope and mode is PositionMode.original  # keys stored at their text phase
-        self.reindex = rope and mode is PositionMode.cache  # keys held unrotated (pair order), by rank
         self.lost = None
         if ref is not None and ref.attn is not None:
             self.lost = LostAttention(ref, self.groups, B, n, cfg.n_layer, like)
