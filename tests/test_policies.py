@@ -280,6 +280,84 @@ def test_h2o_matches_brute_force_on_a_hand_made_attention_pattern():
     assert set(pos[0, 0].tolist()) == {0, 2, 5, 27, 28, 29}
 
 
+@pytest.mark.parametrize("seed", range(5))
+def test_choose_victim_knowing_every_slot_is_held_gives_the_same_slot(seed):
+    """The engine's shortcut when every slot holds an entry: the same victim, ties (to the oldest) and
+    all-protected rows included."""
+    g = torch.Generator().manual_seed(seed)
+    B, Hkv, S = 16, 3, 9
+    pos = torch.stack([torch.randperm(40, generator=g)[:S] for _ in range(B * Hkv)]).view(B, Hkv, S)
+    scores = torch.randint(0, 4, (B, Hkv, S), generator=g).double()  # many ties
+    scores[torch.rand(B, Hkv, S, generator=g) < 0.3] = float("inf")
+    scores[0] = float("inf")  # rows where every slot is protected
+    victim = choose_victim(scores, pos, all_valid=True)
+    assert torch.equal(victim, choose_victim(scores, pos))
+    chosen = pos.gather(-1, victim[..., None])[..., 0]
+    low = scores.amin(-1)
+    oldest_low = pos.masked_fill(scores != low[..., None], 10**6).amin(-1)
+    assert torch.equal(chosen, oldest_low)
+
+
+def _random_draws(seed, doc, layer, t, Hkv, pos, dtype):
+    """random's draws as defined: an int64 hash of (seed, document, layer, step, head, position) / 2**32."""
+    from evictlab.cache.policies.random import _mix
+
+    h = _mix(_mix(seed + 0x9E3779B) ^ doc.view(-1, 1, 1))
+    h = _mix(h ^ (layer * 0x10001 + t * 0x3F1))
+    h = _mix(h ^ torch.arange(Hkv).view(1, Hkv, 1))
+    return _mix(h ^ pos.clamp(min=0)).to(dtype) / 2**32
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_random_draws_equal_their_definition_across_steps_layers_and_documents(dtype):
+    """random computes its hash in 32-bit arithmetic from a per-layer table of step keys: the draws equal
+    the int64 definition bit for bit, across table chunks, layers, new documents and a tensor step."""
+    policy = make_policy("random", seed=3)
+    g = torch.Generator().manual_seed(0)
+    B, Hkv, S = 5, 3, 11
+    for doc in (torch.arange(B), torch.arange(B) + 1000, torch.arange(B) + 1000):
+        for layer in (0, 2):
+            for t in (0, 1, 255, 256, 257, 1000, 70_000, 3):
+                pos = torch.randint(0, t + 1, (B, Hkv, S), generator=g)
+                pos[0, 0, :2] = -1  # empty slots
+                keys = torch.zeros(B, Hkv, S, 1, dtype=dtype)
+                for step in (t, torch.tensor(t)):
+                    ctx = StepContext(step, layer, S, pos, keys, None, {}, doc.clone())
+                    want = _random_draws(3, doc, layer, t, Hkv, pos, dtype)
+                    valid = pos >= 0
+                    assert torch.equal(policy.scores(ctx)[valid], want[valid]), (layer, t)
+
+
+def test_scissorhands_count_is_its_window_recounted():
+    """Scissorhands keeps each slot's count of low-attention verdicts up to date as its ring buffer turns
+    over: after every step (slots reset as the engine resets them on a write) the count equals a recount
+    of the last history_window steps' verdicts from the attention rows themselves."""
+    torch.manual_seed(0)
+    policy = make_policy("scissorhands", history_window=3, threshold=1.0, recent=0)
+    B, Hkv, S, steps = 2, 2, 5, 40
+    state = policy.init_state(B, Hkv, S, torch.empty(0, dtype=torch.float64))
+    pos = torch.full((B, Hkv, S), -1)
+    history: list[tuple[torch.Tensor, torch.Tensor]] = []  # each step's (verdicts, slot generation)
+    generation = torch.zeros(B, Hkv, S, dtype=torch.long)  # bumped when a slot is rewritten
+    for t in range(steps):
+        slot = t % S if t < S else int(torch.randint(0, S, ()))  # fill in order, then overwrite at random
+        pos[:, :, slot] = t
+        generation[:, :, slot] += 1
+        for st in state.values():
+            st[:, :, slot] = 0
+        raw = torch.rand(B, Hkv, S, dtype=torch.float64).masked_fill(pos < 0, 0)
+        row = raw / raw.sum(-1, keepdim=True)
+        ctx = StepContext(t, 0, S, pos, torch.zeros(B, Hkv, S, 1), row, state, torch.arange(B))
+        policy.observe(ctx)
+        held = (pos >= 0).sum(-1, keepdim=True)
+        history.append(((row < 1.0 / held) & (pos >= 0), generation.clone()))
+        recount = sum(low & (gen == generation) for low, gen in history[-3:])
+        assert torch.equal(state["count"].long(), recount.long()), t
+        assert torch.equal(state["count"].long(), state["low"].sum(-1)), t
+    scores = policy.scores(ctx)
+    assert torch.equal(scores, -recount.to(scores.dtype))
+
+
 def test_readme_add_a_policy_example_works(setup):
     """The one-file policy in README.md registers and passes the core invariants."""
     import re

@@ -300,7 +300,7 @@ class TokenLoop:
         )
         policy.observe(ctx)
         if cache.count > budget:
-            cache.evict(choose_victim(policy.scores(ctx), pos))
+            cache.evict(choose_victim(policy.scores(ctx), pos, all_valid=cache.count == cache.used))
         else:
             cache.advance()
         if start is not None:

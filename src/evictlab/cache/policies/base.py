@@ -160,15 +160,23 @@ def recent_keep(n: int, recent: int, device: torch.device, n_sink: int = 0) -> t
 
 def protect(scores: torch.Tensor, ctx: StepContext, n_sink: int = 0, recent: int = 0) -> torch.Tensor:
     """Give inf to the first n_sink positions and to the `recent` newest positions (t-recent+1 .. t)."""
-    keep = (ctx.pos < n_sink) | (ctx.pos > ctx.t - recent)
-    return scores.masked_fill(keep & ctx.valid, INF)
+    keep = ctx.pos > ctx.t - recent
+    if n_sink:
+        keep |= ctx.pos < n_sink
+    if n_sink or not isinstance(ctx.t, int) or ctx.t - recent < -1:  # an empty slot (-1) could match
+        keep &= ctx.valid
+    return scores.masked_fill(keep, INF)
 
 
-def choose_victim(scores: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-    """Slot index [B, Hkv] to evict: the lowest score among valid slots, ties to the oldest position."""
+def choose_victim(scores: torch.Tensor, pos: torch.Tensor, all_valid: bool = False) -> torch.Tensor:
+    """Slot index [B, Hkv] to evict: the lowest score among valid slots, ties to the oldest position.
+    `all_valid`: the caller knows every slot holds an entry (the same answer in fewer operations)."""
+    big = torch.iinfo(pos.dtype).max
+    if all_valid:  # when every slot is protected, all equal the lowest (inf): the fallback to all
+        low = scores.amin(dim=-1, keepdim=True)
+        return torch.where(scores == low, pos, big).argmin(dim=-1)
     valid = pos >= 0
     s = scores.masked_fill(~valid, INF)
     low = s.amin(dim=-1, keepdim=True)
     cand = valid & ((s == low) | (low == INF))  # if every valid slot is protected, fall back to all
-    big = torch.iinfo(pos.dtype).max
     return pos.masked_fill(~cand, big).argmin(dim=-1)
