@@ -225,6 +225,11 @@ def test_pair_order_rotation_equals_rotate_half(dtype, rotary_dim):
     want = table.to_pairs(rotate(x, *table.ranks(r)))
     got = table.rotate_ranks(table.to_pairs(x), r)
     torch.testing.assert_close(got, want, rtol=0, atol=1e-6 if dtype != torch.bfloat16 else 1e-2)
+    # the engine's call: into the table's scratch buffer, the same bits; the buffer is reused
+    assert torch.equal(table.rotate_ranks(table.to_pairs(x), r, scratch=True), got)
+    y = torch.randn(2, 2, 5, cfg.head_dim).to(dtype)
+    r5 = torch.stack([torch.randperm(5) for _ in range(4)]).view(2, 2, 5)
+    assert torch.equal(table.rotate_ranks(y, r5, scratch=True), table.rotate_ranks(y, r5))
     assert torch.equal(table.to_pairs(x).index_select(-1, table.half_order), x)
 
 

@@ -127,6 +127,7 @@ class RopeTable:
         self.pair_order = torch.cat([pairs, torch.arange(self.dims, cfg.head_dim)]).to(like.device)
         self.half_order = torch.argsort(self.pair_order)
         self.start, self.cos, self.sin = 0, self.rank_cos, self.rank_sin
+        self.scratch = torch.empty(0, dtype=self.rank_cis.dtype if complex_ok else like.dtype)
 
     def _table(self, start: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self._angles(torch.arange(start, start + n, device=self.like.device))
@@ -155,20 +156,31 @@ class RopeTable:
         and keys in the same order give the same attention."""
         return x.index_select(-1, self.pair_order)
 
-    def rotate_ranks(self, x: torch.Tensor, r: torch.Tensor | int) -> torch.Tensor:
+    def rotate_ranks(self, x: torch.Tensor, r: torch.Tensor | int, scratch: bool = False) -> torch.Tensor:
         """RoPE of x [..., D] in pair order at ranks r (broadcastable to x's leading dims): one complex
         multiply, (x1 + i x2)(cos + i sin), the same products and sums as `rotate`'s, in one kernel
         instead of six plus a gather per table (make bench: H2O in cache mode re-rotates every held key
-        at every step)."""
+        at every step). With `scratch` and r [...] (one rank per row of x) the table rows are gathered
+        into, and multiplied in, one buffer the table keeps (no allocation per step): the result is then
+        valid until the next such call."""
         if self.rank_cis is None:  # half types: rotate in rotate-half order
             return self.to_pairs(rotate(x.index_select(-1, self.half_order), *self.ranks(r)))
+        R = self.dims
+        rot = torch.view_as_complex((x if R == x.shape[-1] else x[..., :R]).unflatten(-1, (R // 2, 2)))
         if isinstance(r, torch.Tensor) and r.dim() > 0:
+            if scratch and r.shape == rot.shape[:-1]:
+                n = r.numel() * (R // 2)
+                if self.scratch.numel() < n or self.scratch.device != x.device:
+                    self.scratch = torch.empty(n, dtype=self.rank_cis.dtype, device=x.device)
+                cis = self.scratch[:n].view(r.numel(), R // 2)
+                torch.index_select(self.rank_cis, 0, r.reshape(-1), out=cis)
+                cis = cis.view(*r.shape, -1)
+                out = torch.view_as_real(torch.mul(rot, cis, out=cis)).flatten(-2)  # (rot * cis's bits)
+                return out if R == x.shape[-1] else torch.cat([out, x[..., R:]], -1)
             cis = self.rank_cis.index_select(0, r.reshape(-1)).view(*r.shape, -1)
         else:
             cis = self.rank_cis[r]
-        R = self.dims
-        rot = x if R == x.shape[-1] else x[..., :R]
-        out = torch.view_as_real(torch.view_as_complex(rot.unflatten(-1, (R // 2, 2))) * cis).flatten(-2)
+        out = torch.view_as_real(rot * cis).flatten(-2)
         return out if R == x.shape[-1] else torch.cat([out, x[..., R:]], -1)
 
 
@@ -253,7 +265,7 @@ class TokenLoop:
         if self.reindex:  # ranks 0..m-1 inside the cache, the query last (keys are held in pair order)
             # one layout for every document and head, or each its own (tracked on write and evict)
             r = ranks(P[0, 0]) if self.policy.position_only else cache.rank[:, :, : cache.used]
-            K = self.rope.rotate_ranks(K, r)
+            K = self.rope.rotate_ranks(K, r, scratch=True)  # (read before the next layer's step)
             q = self.rope.rotate_ranks(self.rope.to_pairs(q), cache.count - 1)
         y, row = self.attention(q, K, V, None if cache.count == cache.used else P >= 0)
         if self.steady:  # no diagnostics or occupancy to record: the caller fills occupancy in
@@ -278,7 +290,9 @@ class TokenLoop:
         s = (qg @ K.transpose(-1, -2)) * self.scale  # [B, Hkv, g, U]
         w = (s if valid is None else s.masked_fill(~valid[:, :, None], float("-inf"))).softmax(-1)
         y = (w @ V).reshape(B, 1, H * D)
-        return y, (w.mean(2) if self.policy.needs_attention else None)
+        if not self.policy.needs_attention:
+            return y, None
+        return y, (w[:, :, 0] if self.groups == 1 else w.mean(2))
 
     def evict(self, l: int, cache: LayerCache, pos: torch.Tensor, row: torch.Tensor | None) -> None:
         """Let the policy observe the step, then evict its lowest-scored entry if the cache is over budget."""
