@@ -59,7 +59,10 @@ class LayerCache:
         self.pos.scatter_(2, slot, t.expand(slot.shape) if isinstance(t, torch.Tensor) else t)
         for name, st in self.state.items():
             idx = slot.view(B, Hkv, 1, *([1] * (st.dim() - 3))).expand(B, Hkv, 1, *st.shape[3:])
-            st.scatter_(2, idx, init[name].to(st.dtype) if name in init else st.new_zeros(idx.shape))
+            if name in init:
+                st.scatter_(2, idx, init[name].to(st.dtype))
+            else:
+                st.scatter_(2, idx, 0)
         if self.rank is not None:  # the newest position ranks after every held one
             self.rank.scatter_(2, slot, self.count)
         self.count += 1
@@ -77,7 +80,7 @@ class LayerCache:
         """Empty slot victim [B, Hkv]; the next entry goes there."""
         self.pos.scatter_(2, victim[:, :, None], -1)
         if self.rank is not None:  # the entries after the victim move down one rank
-            self.rank.sub_((self.rank > self.rank.gather(2, victim[:, :, None])).long())
+            self.rank.add_(self.rank > self.rank.gather(2, victim[:, :, None]), alpha=-1)
         self.free.copy_(victim)  # the same buffer every step (a compiled step reads it as a graph input)
         self.count -= 1
 
@@ -287,8 +290,8 @@ class TokenLoop:
         (not faster here for one query: make bench's loop rows within noise of it, 2026-12-01)."""
         B, H, _, D = q.shape
         qg = q.view(B, H // self.groups, self.groups, D)  # [B, Hkv, g, D]
-        s = (qg @ K.transpose(-1, -2)) * self.scale  # [B, Hkv, g, U]
-        w = (s if valid is None else s.masked_fill(~valid[:, :, None], float("-inf"))).softmax(-1)
+        s = (qg @ K.transpose(-1, -2)).mul_(self.scale)  # [B, Hkv, g, U]
+        w = (s if valid is None else s.masked_fill_(~valid[:, :, None], float("-inf"))).softmax(-1)
         y = (w @ V).reshape(B, 1, H * D)
         if not self.policy.needs_attention:
             return y, None
