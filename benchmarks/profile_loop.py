@@ -3,6 +3,7 @@
     python benchmarks/profile_loop.py h2o original          # policy, position mode (the token loop)
     python benchmarks/profile_loop.py h2o original --engine auto   # the path the engine picks (blocked)
     python benchmarks/profile_loop.py streaming_llm cache --tokens 256 --docs 64
+    python benchmarks/profile_loop.py h2o cache --engine auto --tokens 1024 --no-profile   # tok/s only
 
 gpt_small with random weights, `--docs` documents x `--tokens` tokens, budget 128, 1 thread, diagnostics
 off, the token loop forced (`--engine loop`, the default) or the engine's own choice (`--engine auto`).
@@ -33,6 +34,7 @@ def main() -> None:
     ap.add_argument("--budget", type=int, default=128)
     ap.add_argument("--rows", type=int, default=20)
     ap.add_argument("--engine", choices=["loop", "auto"], default="loop")
+    ap.add_argument("--no-profile", action="store_true", help="only the unprofiled pass's tokens/s")
     args = ap.parse_args()
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -52,6 +54,8 @@ def main() -> None:
     steps = args.tokens
     rate, step_ms = args.docs * steps / seconds, seconds / steps * 1e3
     print(f"{args.policy} {args.mode} [{path}]: {rate:,.0f} tok/s, {step_ms:.2f} ms/step")
+    if args.no_profile:
+        return
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         stream(model, tokens, policy, args.budget, spec)
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.rows))

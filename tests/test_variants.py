@@ -160,12 +160,13 @@ def test_report_finds_the_scale_knobs_of_the_committed_sink_sweep():
     axes = F.trend_axes(tables["results"])
     # variants that differ from base in one number only, with at least two of them per knob
     assert axes == {"model.n_layer": {"base": 4, "layers2": 2, "layers8": 8},
-                    "train.steps": {"base": 400, "steps200": 200, "steps800": 800}}  # fmt: skip
+                    "train.steps": {"base": 400, "steps200": 200, "steps800": 800},
+                    "train.synthetic_share": {"base": 0.0, "syn25": 0.25, "syn50": 0.5},
+                    "train.weight_decay": {"base": 0.1, "wd05": 0.5, "wd_high": 1.0}}  # fmt: skip
     assert {"sink_by_variant", "eviction_by_variant", "sink_trend"} <= set(F.draw_all(tables))
-    assert F.trend_axes(tables["results"], min_points=2)["train.weight_decay"] == {
-        "base": 0.1,
-        "wd_high": 1.0,
-    }
+    two = F.trend_axes(tables["results"], min_points=2)  # knobs with one variant beside base too
+    assert two["model.n_head"] == {"base": 4, "heads8": 8}
+    assert two["train.recall_share"] == {"base": 0.0, "recall_mix": 0.3}
 
 
 def test_sink_trend_draws_a_knob_with_zero_on_a_linear_axis():
