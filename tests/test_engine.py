@@ -234,12 +234,19 @@ def test_pair_order_rotation_equals_rotate_half(dtype, rotary_dim):
 
 
 @pytest.mark.parametrize(
-    "name, mode, smear", [("scissorhands", "original", 0), ("tova", "cache", 0), ("h2o", "original", 1)]
+    "name, mode, smear",
+    [
+        ("scissorhands", "original", 0),
+        ("tova", "cache", 0),
+        ("h2o", "original", 1),
+        ("random", "original", 0),
+    ],
 )
 def test_compiled_steady_step_equals_the_eager_loop(model, tokens, name, mode, smear):
     """eval.compile runs the steady-state step through torch.compile: the same per-token numbers up to
     float rounding, the same entries kept, and the compilation is timed apart (smear: a model with smeared
-    keys, whose step also carries each layer's previous raw key)."""
+    keys, whose step also carries each layer's previous raw key; random: its int32 hash, whose wrapping
+    multiplies the generated code must keep)."""
     if smear:
         torch.manual_seed(0)
         cfg = GPTConfig(
