@@ -328,6 +328,22 @@ def test_random_draws_equal_their_definition_across_steps_layers_and_documents(d
                     assert torch.equal(policy.scores(ctx)[valid], want[valid]), (layer, t)
 
 
+def test_random_draws_in_float16_are_the_float32_draws_rounded():
+    """2**32 overflows float16: half-precision draws go through float32 (they were all inf, which made
+    random evict the oldest entry)."""
+    policy = make_policy("random", seed=1)
+    pos = torch.arange(40).view(1, 2, 20)
+    draws = {
+        dtype: policy.scores(StepContext(50, 0, 20, pos, torch.zeros(1, 2, 20, 1, dtype=dtype), None, {},
+                                         torch.tensor([7])))
+        for dtype in (torch.float16, torch.float32)
+    }  # fmt: skip
+    assert draws[torch.float16].dtype == torch.float16
+    assert torch.isfinite(draws[torch.float16]).all() and (draws[torch.float16] < 1).all()
+    assert torch.equal(draws[torch.float16], draws[torch.float32].half())
+    assert len(set(draws[torch.float16].flatten().tolist())) > 30  # a spread, not one value
+
+
 def test_scissorhands_count_is_its_window_recounted():
     """Scissorhands keeps each slot's count of low-attention verdicts up to date as its ring buffer turns
     over: after every step (slots reset as the engine resets them on a write) the count equals a recount
