@@ -170,20 +170,18 @@ class RopeTable:
             return self.to_pairs(rotate(x.index_select(-1, self.half_order), *self.ranks(r)))
         R = self.dims
         rot = torch.view_as_complex((x if R == x.shape[-1] else x[..., :R]).unflatten(-1, (R // 2, 2)))
-        if isinstance(r, torch.Tensor) and r.dim() > 0:
-            if scratch and r.shape == rot.shape[:-1]:
-                n = r.numel() * (R // 2)
-                if self.scratch.numel() < n or self.scratch.device != x.device:
-                    self.scratch = torch.empty(n, dtype=self.rank_cis.dtype, device=x.device)
-                cis = self.scratch[:n].view(r.numel(), R // 2)
-                torch.index_select(self.rank_cis, 0, r.reshape(-1), out=cis)
-                cis = cis.view(*r.shape, -1)
-                out = torch.view_as_real(torch.mul(rot, cis, out=cis)).flatten(-2)  # (rot * cis's bits)
-                return out if R == x.shape[-1] else torch.cat([out, x[..., R:]], -1)
-            cis = self.rank_cis.index_select(0, r.reshape(-1)).view(*r.shape, -1)
+        if not (isinstance(r, torch.Tensor) and r.dim() > 0):
+            prod = rot * self.rank_cis[r]
+        elif scratch and r.shape == rot.shape[:-1]:
+            n = r.numel() * (R // 2)
+            if self.scratch.numel() < n or self.scratch.device != x.device:
+                self.scratch = torch.empty(n, dtype=self.rank_cis.dtype, device=x.device)
+            cis = self.scratch[:n].view(r.numel(), R // 2)
+            cis = torch.index_select(self.rank_cis, 0, r.reshape(-1), out=cis).view(*r.shape, -1)
+            prod = torch.mul(rot, cis, out=cis)  # (the bits of rot * cis: operand order kept)
         else:
-            cis = self.rank_cis[r]
-        out = torch.view_as_real(rot * cis).flatten(-2)
+            prod = rot * self.rank_cis.index_select(0, r.reshape(-1)).view(*r.shape, -1)
+        out = torch.view_as_real(prod).flatten(-2)
         return out if R == x.shape[-1] else torch.cat([out, x[..., R:]], -1)
 
 

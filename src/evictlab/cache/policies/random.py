@@ -76,9 +76,10 @@ class Random(Policy):
         if not isinstance(ctx.t, int):  # a tensor step (the compiled loop): no host-side table lookup
             return _int32(self.hash_keys(ctx.doc, ctx.layer, ctx.t, Hkv)).view(-1, Hkv, 1)
         doc, t0, keys = self._keys.get(ctx.layer, (None, -1, None))
-        fresh = doc is None or doc.device != ctx.doc.device or keys.shape[2] != Hkv
-        fresh = fresh or not t0 <= ctx.t < t0 + _CHUNK
-        if fresh or (doc is not ctx.doc and not torch.equal(doc, ctx.doc)):
+        same_doc = doc is ctx.doc or (
+            doc is not None and doc.device == ctx.doc.device and torch.equal(doc, ctx.doc)
+        )
+        if not (same_doc and keys.shape[2] == Hkv and t0 <= ctx.t < t0 + _CHUNK):
             t0 = ctx.t - ctx.t % _CHUNK
             steps = torch.arange(t0, t0 + _CHUNK, device=ctx.doc.device)
             keys = _int32(self.hash_keys(ctx.doc, ctx.layer, steps, Hkv))
