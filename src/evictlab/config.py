@@ -30,6 +30,7 @@ from evictlab.data.tokenizers import TokenizerConfig
 from evictlab.errors import ConfigError
 from evictlab.eval.evaluate import check_reference_cap
 from evictlab.eval.spec import PositionMode, StreamSpec, check_positions
+from evictlab.models.gguf import is_gguf
 from evictlab.models.gpt import GPTConfig, PosEmb
 from evictlab.store import REPO_ROOT, to_jsonable
 from evictlab.tracking import LoggerConfig
@@ -309,7 +310,8 @@ class Config:
                 "not an absolute path or one with '..'"
             )
         if self.model.name_or_path:  # a pretrained checkpoint brings its own tokenizer
-            self.tokenizer = TokenizerConfig(kind="hf", name_or_path=self.model.name_or_path)
+            kind = "gguf" if is_gguf(self.model.name_or_path) else "hf"
+            self.tokenizer = TokenizerConfig(kind=kind, name_or_path=self.model.name_or_path)
         if self.model.dtype not in ("float32", "float16", "bfloat16"):
             raise ConfigError(f"model.dtype={self.model.dtype!r} must be float32, float16 or bfloat16")
         if self.model.pos_emb is PosEmb.learned and self.train.seq_len > self.model.block_size:

@@ -30,6 +30,7 @@ from evictlab.config import Config, TrainConfig, hydra_entry, key_dict
 from evictlab.data.dataset import Corpus, TokenSplit, load_corpus
 from evictlab.errors import ConfigError, DivergedError
 from evictlab.eval.sinks import sink_metrics
+from evictlab.models.gguf import is_gguf
 from evictlab.models.gpt import GPT, GPTConfig
 from evictlab.perf import matmul_flops_per_s, set_threads
 from evictlab.store import (
@@ -373,8 +374,40 @@ def save_checkpoint(dest: Path, model: GPT, meta: dict[str, Any]) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def cached_checkpoint(
+    dest: Path, check: Callable[[dict[str, Any]], None], build: Callable[[], tuple[GPT, dict[str, Any]]]
+) -> Checkpoint:
+    """The checkpoint folder `dest`: loaded when present, intact and accepted by `check(meta)` (which
+    raises ValueError otherwise), else made by `build()` -> (model, meta) once, under a file lock (other
+    processes wait and load it), and written atomically."""
+
+    def try_load() -> Checkpoint | None:
+        if not dest.exists():
+            return None
+        try:
+            model, meta = load_checkpoint(dest)
+            check(meta)
+            return Checkpoint(dest, model, meta, cached=True)
+        except ValueError as e:
+            log.warning("%s; making it again", e)
+            return None
+
+    if (hit := try_load()) is not None:
+        return hit
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(dest) + ".lock"):
+        if (hit := try_load()) is not None:  # another process made it while we waited
+            return hit
+        model, meta = build()
+        save_checkpoint(dest, model, meta)
+        return Checkpoint(dest, model.eval(), read_json(dest / "meta.json"), cached=False)
+
+
 def get_checkpoint(cfg: Config, corpus: Corpus | None = None) -> Checkpoint:
-    """The trained model for cfg: from the cache when present and intact, else trained (once)."""
+    """The model for cfg: a trained one from the cache when present and intact, else trained (once); a
+    GGUF file converted once (`gguf_checkpoint`); a Hugging Face checkpoint mapped at each load."""
+    if is_gguf(cfg.model.name_or_path):
+        return gguf_checkpoint(cfg)
     corpus = corpus or load_corpus(cfg.dataset, cfg.tokenizer, cfg.outputs, min_tokens=cfg.train.seq_len + 1)
     if cfg.model.name_or_path:  # a pretrained checkpoint: nothing to train
         return pretrained(cfg)
@@ -382,26 +415,8 @@ def get_checkpoint(cfg: Config, corpus: Corpus | None = None) -> Checkpoint:
         cfg, model=replace(cfg.model, vocab_size=corpus.tokenizer.vocab_size)
     )  # caller's cfg untouched
     key = checkpoint_key(cfg, corpus)
-    root = cfg.outputs / "checkpoints"
-    dest = root / f"{cfg.model.name}-{key}"
 
-    def try_load() -> Checkpoint | None:
-        if not dest.exists():
-            return None
-        try:
-            model, meta = load_checkpoint(dest)
-            check_settings(meta, cfg, key)
-            return Checkpoint(dest, model, meta, cached=True)
-        except ValueError as e:
-            log.warning("%s; retraining it", e)
-            return None
-
-    if (hit := try_load()) is not None:
-        return hit
-    root.mkdir(parents=True, exist_ok=True)
-    with FileLock(str(dest) + ".lock"):
-        if (hit := try_load()) is not None:  # another process trained it while we waited
-            return hit
+    def build() -> tuple[GPT, dict[str, Any]]:
         log.info("training %s (checkpoint key %s)", cfg.model.name, key)
         model, record = train_model(cfg, corpus)
         sink, layers = sink_metrics(model, corpus, cfg.train.seq_len, cfg.model.sink_token)
@@ -421,8 +436,53 @@ def get_checkpoint(cfg: Config, corpus: Corpus | None = None) -> Checkpoint:
             "packages": package_versions(),
             "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         }
-        save_checkpoint(dest, model, meta)
-        return Checkpoint(dest, model.eval(), read_json(dest / "meta.json"), cached=False)
+        return model, meta
+
+    return cached_checkpoint(
+        cfg.outputs / "checkpoints" / f"{cfg.model.name}-{key}", lambda m: check_settings(m, cfg, key), build
+    )
+
+
+def gguf_checkpoint(cfg: Config) -> Checkpoint:
+    """A GGUF file (models/gguf.py) dequantised and converted into evictlab's checkpoint cache on first use,
+    keyed by the file's sha256; later uses load the converted weights (float32; cast to model.dtype
+    by the caller)."""
+    from evictlab.models import gguf
+    from evictlab.models.hf import config_from_hf, map_weights
+
+    file = gguf.locate(cfg.model.name_or_path)
+    key = stable_hash(
+        {"gguf_sha256": file.sha256, "converter": gguf.CONVERTER_VERSION, "format": CHECKPOINT_FORMAT}
+    )
+
+    def check(meta: dict[str, Any]) -> None:
+        if meta.get("key") != key:
+            raise ValueError(f"checkpoint meta.json says key {meta.get('key')!r}, its folder {key!r}")
+
+    def build() -> tuple[GPT, dict[str, Any]]:
+        log.info("converting %s (sha256 %s...) into the checkpoint cache", file.path, file.sha256[:12])
+        start = time.perf_counter()
+        contents = gguf.read_contents(file)
+        model_cfg = config_from_hf(contents.config, cfg.model.name)
+        model = GPT(model_cfg)
+        model.load_state_dict(map_weights("llama", contents.state_dict, model_cfg))
+        meta = {
+            "key": key,
+            "source": "gguf",
+            "label": contents.label,
+            "model": to_jsonable(model_cfg),
+            "hf_config": contents.config,
+            **gguf.describe(file),
+            "params": model.num_params(),
+            "val_bpb": None,
+            "convert_s": time.perf_counter() - start,
+            "git": git_info(),
+            "packages": package_versions(),
+            "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        }
+        return model, meta
+
+    return cached_checkpoint(cfg.outputs / "checkpoints" / f"{cfg.model.name}-{key}", check, build)
 
 
 def pretrained(cfg: Config) -> Checkpoint:
@@ -445,6 +505,9 @@ def pretrained(cfg: Config) -> Checkpoint:
 
 def summary(ck: Checkpoint, seconds: float) -> str:
     m = ck.meta
+    if m.get("source") == "gguf":
+        how = f"loaded in {seconds:.2f} s" if ck.cached else f"converted in {m['convert_s']:.0f} s"
+        return f"{m['label']} ({m['params']:,} params) {how}\n  -> {ck.path}"
     if m.get("source") == "hf":
         return (
             f"{m['model_type']} checkpoint ({m['params']:,} params) loaded in {seconds:.2f} s\n  -> {ck.path}"

@@ -6,6 +6,7 @@ optional learnable dedicated attention-sink token).
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable
 from dataclasses import dataclass
 from enum import Enum
@@ -24,18 +25,21 @@ class TokenizerKind(str, Enum):
     byte = "byte"
     bpe = "bpe"
     hf = "hf"  # a pretrained checkpoint's own tokenizer (transformers AutoTokenizer)
+    gguf = "gguf"  # a GGUF file's own tokenizer (models/gguf.py), cached by the file's sha256
 
 
 @dataclass
 class TokenizerConfig:
     kind: TokenizerKind = TokenizerKind.byte
     vocab_size: int = 2048  # BPE only (byte-level is always 256 + 2 specials)
-    name_or_path: str | None = None  # hf only: set from model.name_or_path
+    name_or_path: str | None = None  # hf and gguf only: set from model.name_or_path
 
     def __post_init__(self) -> None:
         self.kind = TokenizerKind(self.kind)
-        if self.kind is TokenizerKind.hf and not self.name_or_path:
-            raise ConfigError("tokenizer.kind=hf needs tokenizer.name_or_path (set by model=hf)")
+        if self.kind in (TokenizerKind.hf, TokenizerKind.gguf) and not self.name_or_path:
+            raise ConfigError(
+                f"tokenizer.kind={self.kind.value} needs tokenizer.name_or_path (set by the model)"
+            )
         if self.kind is TokenizerKind.bpe and not 260 <= self.vocab_size <= 65535:
             raise ConfigError(f"tokenizer.vocab_size={self.vocab_size} must be in [260, 65535] for BPE")
 
@@ -91,6 +95,38 @@ class BPETokenizer:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
 
 
+class GGUFTokenizer(BPETokenizer):
+    """A GGUF file's byte-level BPE (models/gguf.py: `tokenizer_json`), stored once as JSON beside its BOS
+    id. <bos> is the file's BOS token; there is no dedicated <sink> token."""
+
+    def __init__(self, path: Path, spec: dict[str, Any]):
+        from tokenizers import Tokenizer
+
+        stored = json.loads(path.read_text())
+        self._tok = Tokenizer.from_str(stored["tokenizer"])
+        self.vocab_size = self._tok.get_vocab_size()
+        self.bos_id, self.sink_id = int(stored["bos_id"]), None
+        self.spec = spec
+
+
+def gguf_tokenizer(name_or_path: str, cache_dir: Path) -> GGUFTokenizer:
+    """The tokenizer of the GGUF file `name_or_path`, read from the file once and cached by its sha256."""
+    from filelock import FileLock
+
+    from evictlab.models import gguf
+
+    file = gguf.locate(name_or_path)
+    spec = {"kind": "gguf", "sha256": file.sha256, "converter": gguf.CONVERTER_VERSION}
+    path = cache_dir / f"gguf-{stable_hash(spec)}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(path) + ".lock"):
+        if not path.exists():
+            text, bos = gguf.read_tokenizer(file)
+            with atomic_path(path) as tmp:
+                tmp.write_text(json.dumps({"bos_id": bos, "tokenizer": text}))
+    return GGUFTokenizer(path, spec)
+
+
 class HFTokenizer:
     """A pretrained checkpoint's tokenizer. <bos> follows the checkpoint: its BOS token, else its EOS
     (GPT-2 and Pythia start documents with <|endoftext|>). It has no dedicated <sink> token."""
@@ -141,12 +177,14 @@ def train_bpe(texts: list[str], vocab_size: int, dest: Path) -> None:
 
 def build_tokenizer(
     cfg: TokenizerConfig, train_texts: list[str], train_hash: str, cache_dir: Path
-) -> ByteTokenizer | BPETokenizer | HFTokenizer:
+) -> ByteTokenizer | BPETokenizer | GGUFTokenizer | HFTokenizer:
     """The tokenizer for a corpus; BPE is trained on the train split once and cached by its hash."""
     if cfg.kind is TokenizerKind.byte:
         return ByteTokenizer()
     if cfg.kind is TokenizerKind.hf:
         return HFTokenizer(cfg.name_or_path)
+    if cfg.kind is TokenizerKind.gguf:
+        return gguf_tokenizer(cfg.name_or_path, cache_dir)
     spec = {"kind": "bpe", "vocab_size": cfg.vocab_size, "train_hash": train_hash}
     path = cache_dir / f"bpe-{stable_hash(spec)}.json"
     if not path.exists():
