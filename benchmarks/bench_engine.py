@@ -88,9 +88,7 @@ def main(argv: list[str] | None = None) -> dict:
         start = time.perf_counter()
         for d in range(args.ref_docs):
             reference = (
-                full_reference(model, tokens[d : d + 1], attention=False, future=True)
-                if policy.needs_future
-                else None
+                full_reference(model, tokens[d : d + 1], attention=True) if policy.needs_future else None
             )
             reference_stream(
                 model,

@@ -8,8 +8,15 @@ Workload: gpt_small with random weights, one stream of random byte tokens, budge
 diagnostics off and no full-cache reference (the engine alone). Each (policy, length) runs in a fresh
 process, so its peak RSS is its own. Bounded policies must keep memory and token-steps/s flat in stream
 length (the ratio columns, against the shortest length); the full cache is measured at `--full-length`
-(memory O(T) for its growing KV cache, compute O(T^2)). Writes outputs/bench/long.json and prints the
-table that README quotes.
+(memory O(T) for its growing KV cache, compute O(T^2)).
+
+Diagnostics rows (`--diag`): a whole evaluation with attention diagnostics on (the full-cache reference
+with its attention, then the policy's stream with attention lost and sink mass), batch 1, each in a
+fresh process, against a stated peak-RSS bound: SmolLM2-135M (model=smollm2_135m, converted into the
+checkpoint cache on first use) over 4,096 tokens, and gpt_tiny's full cache over 32,768 tokens with the
+reference's cap raised to cover it. Random tokens: memory and speed do not depend on the text.
+
+Writes outputs/bench/long.json and prints the tables that benchmarks/README.md quotes.
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ from evictlab.perf import cpu_name, peak_rss_bytes, save_report, set_threads
 from evictlab.store import git_info
 
 GiB = 1024**3
+DIAG_BOUNDS = {"smollm2_135m": 4 * GiB, "gpt_tiny": 3 * GiB}  # issue 26: peak RSS with diagnostics on
 
 
 def one(policy: str, length: int, budget: int, compile: bool, seed: int = 0) -> dict:
@@ -49,6 +57,35 @@ def one(policy: str, length: int, budget: int, compile: bool, seed: int = 0) -> 
             "peak_rss_bytes": peak_rss_bytes()}  # fmt: skip
 
 
+def diag_model(name: str):
+    """gpt_tiny with random weights, or a configured subject from the checkpoint cache (converted once)."""
+    if name == "gpt_tiny":
+        torch.manual_seed(0)
+        return GPT(GPTConfig(name="gpt_tiny", vocab_size=258, n_layer=2, n_embd=40)).eval()
+    from evictlab.config import compose, to_objects
+    from evictlab.train import get_checkpoint
+
+    return get_checkpoint(to_objects(compose([f"model={name}", "logger=none"]))).model
+
+
+def one_diag(name: str, policy: str, length: int, budget: int) -> dict:
+    """One evaluation with diagnostics on, in this process: the full-cache reference (with its attention)
+    and the policy's stream against it; seconds of each and peak RSS."""
+    from evictlab.eval.evaluate import evaluate
+
+    set_threads(1)
+    model = diag_model(name)
+    torch.manual_seed(1)
+    tokens = torch.randint(0, model.cfg.vocab_size, (1, length + 1))
+    spec = StreamSpec(diagnostics=True, batch_size=1, full_max_len=length)
+    start = time.perf_counter()
+    res = evaluate(model, tokens, make_policy(policy), budget, spec)
+    seconds = time.perf_counter() - start
+    return {"model": name, "policy": policy, "length": length, "path": res.summary["path"],
+            "seconds": seconds, "token_steps_per_s": res.summary["token_steps_per_s"],
+            "peak_rss_bytes": peak_rss_bytes(), "bound_bytes": DIAG_BOUNDS.get(name)}  # fmt: skip
+
+
 def measure(policy: str, length: int, budget: int, compile: bool) -> dict:
     cmd = [sys.executable, __file__, "--one", policy, str(length), "--budget", str(budget)]
     cmd += ["--compile"] if compile else []
@@ -64,11 +101,18 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--full-length", type=int, default=32768, help="the full cache's stream (0: skip)")
     ap.add_argument("--compile", action="store_true", help="eval.compile: the compiled token loop")
     ap.add_argument("--no-compile", dest="compile", action="store_false", help="the engine's path (default)")
+    ap.add_argument("--diag", default="smollm2_135m:h2o:4096,gpt_tiny:full:32768",
+                    help="MODEL:POLICY:LENGTH rows evaluated with diagnostics on ('' to skip)")  # fmt: skip
     ap.add_argument("--one", nargs=2, metavar=("POLICY", "LENGTH"), help=argparse.SUPPRESS)
+    ap.add_argument("--one-diag", nargs=3, metavar=("MODEL", "POLICY", "LENGTH"), help=argparse.SUPPRESS)
     ap.add_argument("--out", default=None, help="JSON path (default outputs/bench/long.json)")
     args = ap.parse_args(argv)
     if args.one:
         print(json.dumps(one(args.one[0], int(args.one[1]), args.budget, args.compile)))
+        return {}
+    if args.one_diag:
+        name, policy, length = args.one_diag
+        print(json.dumps(one_diag(name, policy, int(length), args.budget)))
         return {}
     lengths = [int(x) for x in args.lengths.split(",")]
     rows = []
@@ -83,8 +127,16 @@ def main(argv: list[str] | None = None) -> dict:
     if args.full_length:
         rows.append(measure("full", args.full_length, args.budget, args.compile))
         print(line(rows[-1]), file=sys.stderr)
+    diag = []
+    for row in filter(None, args.diag.split(",")):
+        name, policy, length = row.split(":")
+        cmd = [sys.executable, __file__, "--one-diag", name, policy, length, "--budget", str(args.budget)]
+        res = subprocess.run(cmd, capture_output=True, text=True, check=True)
+        diag.append(json.loads(res.stdout.strip().splitlines()[-1]))
+        print(diag_line(diag[-1]), file=sys.stderr)
     report = {"date": time.strftime("%Y-%m-%d"), "cpu": cpu_name(), "torch": torch.__version__,
-              "budget": args.budget, "compile": args.compile, "git": git_info(), "rows": rows}  # fmt: skip
+              "budget": args.budget, "compile": args.compile, "git": git_info(), "rows": rows,
+              "diagnostics": diag}  # fmt: skip
     save_report(report, markdown_table(report), args.out, "long.json")
     return report
 
@@ -94,6 +146,16 @@ def line(r: dict) -> str:
     return (f"{r['policy']:14s} T={r['length']:8d} [{r['path']}] {r['token_steps_per_s']:9.0f} tok/s  "
             f"{r['seconds']:7.1f} s (compile {r['compile_seconds']:.0f} s)  "
             f"peak RSS {r['peak_rss_bytes'] / GiB:.2f} GiB{ratios}")  # fmt: skip
+
+
+def within(r: dict) -> str:
+    return "-" if r["bound_bytes"] is None else ("yes" if r["peak_rss_bytes"] <= r["bound_bytes"] else "NO")
+
+
+def diag_line(r: dict) -> str:
+    bound = "" if r["bound_bytes"] is None else f" (bound {r['bound_bytes'] / GiB:.0f} GiB: {within(r)})"
+    return (f"diagnostics {r['model']} {r['policy']} T={r['length']} [{r['path']}] {r['seconds']:.1f} s  "
+            f"peak RSS {r['peak_rss_bytes'] / GiB:.2f} GiB{bound}")  # fmt: skip
 
 
 def markdown_table(report: dict) -> str:
@@ -107,6 +169,14 @@ def markdown_table(report: dict) -> str:
         lines.append(f"| {r['policy']} | {r['length']:,} | {r['path']} | {r['token_steps_per_s']:,.0f} | "
                      f"{r['seconds']:.1f} ({r['compile_seconds']:.0f}) | "
                      f"{r['peak_rss_bytes'] / GiB:.2f} GiB | {ratio} |")  # fmt: skip
+    if report.get("diagnostics"):
+        lines += ["", "With diagnostics on (reference + stream, batch 1):", "",
+                  "| model | policy | stream length | path | seconds | peak RSS | bound | within |",
+                  "|---|---|---:|---|---:|---:|---:|---|"]  # fmt: skip
+        for r in report["diagnostics"]:
+            bound = "-" if r["bound_bytes"] is None else f"{r['bound_bytes'] / GiB:.0f} GiB"
+            head = f"| {r['model']} | {r['policy']} | {r['length']:,} | {r['path']} | {r['seconds']:.1f} | "
+            lines.append(head + f"{r['peak_rss_bytes'] / GiB:.2f} GiB | {bound} | {within(r)} |")
     return "\n".join(lines)
 
 

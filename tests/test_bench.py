@@ -47,6 +47,7 @@ def test_bench_long_writes_rows_with_ratios(tmp_path: Path, monkeypatch):
 
     out = tmp_path / "long.json"
     args = ["--lengths", "48,96", "--policies", "window,h2o", "--budget", "8", "--full-length", "64"]
+    args += ["--diag", "gpt_tiny:full:64,gpt_tiny:h2o:64"]
     report = bench_long.main([*args, "--no-compile", "--out", str(out)])
     rows = json.loads(out.read_text())["rows"]
     assert [(r["policy"], r["length"], r["path"]) for r in rows] == [
@@ -58,6 +59,12 @@ def test_bench_long_writes_rows_with_ratios(tmp_path: Path, monkeypatch):
         assert r["peak_rss_bytes"] > 0 and r["token_steps_per_s"] > 0 and r["rss_ratio"] > 0
     assert rows[0]["rss_ratio"] == rows[0]["speed_ratio"] == 1.0
     assert "| h2o | 96 | blocked |" in bench_long.markdown_table(report)
+    diag = json.loads(out.read_text())["diagnostics"]
+    assert [(r["model"], r["policy"], r["path"]) for r in diag] == [
+        ("gpt_tiny", "full", "parallel"), ("gpt_tiny", "h2o", "blocked"),
+    ]  # fmt: skip
+    assert all(0 < r["peak_rss_bytes"] < r["bound_bytes"] == 3 * 1024**3 for r in diag)
+    assert "| gpt_tiny | h2o | 64 | blocked |" in bench_long.markdown_table(report)
     sys.modules.pop("bench_long", None)
 
 

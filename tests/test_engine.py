@@ -77,8 +77,11 @@ def test_cache_mode_needs_rope(tokens):
 
 
 def test_oracle_needs_the_future(model, tokens):
-    with pytest.raises(ConfigError, match="future=True"):
+    with pytest.raises(ConfigError, match="attention=True"):
         stream(model, tokens, make_policy("oracle"), 8)
+    no_rows = full_reference(model, tokens, attention=True, rows=False)  # summaries only
+    with pytest.raises(ConfigError, match="attention=True"):
+        stream(model, tokens, make_policy("oracle"), 8, reference=no_rows)
     assert "non-causal" in make_policy("oracle").label
 
 
@@ -144,7 +147,9 @@ def test_layer_table_is_tidy_and_matches_the_full_cache_attention(model, tokens)
     # first_position_mass per (layer, head) = mean over both streams of the full cache's attention on pos 0
     per_head = by["first_position_mass"].pivot(index="layer", columns="head", values="value").to_numpy()
     refs = [full_reference(model, tokens[i : i + 1]) for i in range(2)]
-    expected = [np.stack([a[0, :, :, 0].mean(-1).numpy() for a in r.attn]) for r in refs]
+    expected = [
+        np.stack([r.attention.rows(l, 0, 32)[0, :, :, 0].mean(-1).numpy() for l in range(4)]) for r in refs
+    ]
     np.testing.assert_allclose(per_head, (expected[0] + expected[1]) / 2, rtol=1e-5)
 
 
@@ -165,13 +170,23 @@ def test_kv_bytes_are_bounded_for_evicting_policies(model):
 
 
 def test_full_reference_attention_rows_sum_to_one(model, tokens):
-    ref = full_reference(model, tokens, attention=True, future=True)
-    for a in ref.attn:
+    ref = full_reference(model, tokens, attention=True)
+    att = ref.attention
+    att.chunk = 5  # rows a few queries at a time: chunk edges inside the stream
+    n, Hkv, G = 32, model.cfg.kv_heads, model.cfg.n_head // model.cfg.kv_heads
+    for l in range(model.cfg.n_layer):
+        a = att.rows(l, 0, n)  # [B, H, n, n]
         torch.testing.assert_close(a.sum(-1), torch.ones(a.shape[:-1]))
-    # future attention on key j at step i = attention from steps > i (summed over heads of the group)
-    i, j = 5, 3
-    expected = ref.attn[0][:, :, i + 1 :, j].sum(-1)
-    torch.testing.assert_close(ref.future[0][:, :, i, j], expected)
+        assert (a.triu(1) == 0).all()  # causal
+        for i in (0, 4, 5, 13, 31):
+            torch.testing.assert_close(att.row(l, i)[..., : i + 1], a[:, :, i, : i + 1])
+            # future attention on key j at step i = attention from steps > i, summed over the group's heads
+            expected = a[:, :, i + 1 :].sum(2).view(2, Hkv, G, n).sum(2)
+            torch.testing.assert_close(att.future(l, i), expected)
+        # the summaries the forward computed are those of the rows
+        torch.testing.assert_close(att.first[l], a[..., 0])
+        torch.testing.assert_close(att.sink[..., l], a[..., :4].sum(-1).mean(1))
+        torch.testing.assert_close(att.by_key_sum[l], a.sum(dim=(0, 1, 2)))
 
 
 def test_steady_state_starts_once_every_cache_is_full(model):

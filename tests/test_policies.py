@@ -56,7 +56,7 @@ def setup(request):
                     p.normal_(0, 1.0)
     tokens = torch.randint(0, 40, (3, T))
     tokens[:, 0] = 39  # a <bos>-like first token
-    ref = full_reference(model, tokens, attention=True, future=True)
+    ref = full_reference(model, tokens, attention=True)
     return model, tokens, ref
 
 

@@ -37,7 +37,7 @@ from evictlab.data.streams import eval_streams
 from evictlab.errors import DivergedError
 from evictlab.eval.evaluate import EvalResult, evaluate, greedy_divergence, recall_accuracy
 from evictlab.eval.shared import SharedReferences
-from evictlab.eval.sinks import sink_metrics
+from evictlab.eval.sinks import PRETRAINED_CONTEXT, cached_sink_metrics
 from evictlab.eval.spec import check_positions
 from evictlab.models.gpt import GPT
 from evictlab.perf import set_threads
@@ -183,7 +183,7 @@ class RunStages:
             ppl = res.summary["ppl"]
             raise DivergedError(f"the evaluation's NLL is not finite at {bad} positions (ppl {ppl})")
         with clock("sink"):
-            sink, sink_layers = self.sink(model, corpus)
+            sink, sink_layers = self.sink(model, corpus, checkpoint)
         res.layers = pd.concat([res.layers, sink_layers], ignore_index=True)
         with clock("files"):
             curve = self.write_results(res)
@@ -244,11 +244,18 @@ class RunStages:
         )
         return tokens.to(device), None
 
-    def sink(self, model: GPT, corpus: Corpus):
-        """The model's attention-sink metrics (eval/sinks.py) at its training context."""
+    def sink(self, model: GPT, corpus: Corpus, checkpoint: str):
+        """The model's attention-sink metrics (eval/sinks.py) at its training context (a pretrained model's:
+        PRETRAINED_CONTEXT or its own if shorter), measured by the first run of this checkpoint and corpus,
+        read by the others."""
         cfg = self.cfg
-        context = cfg.eval.stream_len if cfg.model.name_or_path else cfg.train.seq_len
-        return sink_metrics(model, corpus, context, cfg.model.sink_token, cfg.eval.split)
+        context = cfg.train.seq_len
+        if cfg.model.name_or_path:
+            context = min(PRETRAINED_CONTEXT, model.cfg.block_size)
+        root = cfg.outputs / "cache" / "subject"
+        return cached_sink_metrics(
+            root, checkpoint, model, corpus, context, cfg.model.sink_token, cfg.eval.split
+        )
 
     def write_results(self, res: EvalResult) -> pd.DataFrame:
         """The run's result files; returns the NLL-by-position curve (bounded in rows) for tracking."""

@@ -112,15 +112,17 @@ def stream(
     """Stream tokens [B, T] (each row a document starting with its prefix) under `policy` at `budget`.
 
     `reference` (from `full_reference`) enables KL / agreement / attention diagnostics; a policy that
-    `needs_future` needs one built with `future=True`. `doc`: the rows' global document indices.
+    `needs_future` needs one with its attention rows. `doc`: the rows' global document indices.
     """
     check_positions(model.cfg, spec.position_mode)
     B, T = tokens.shape
     if T < 2:
         raise ConfigError(f"a stream needs at least 2 tokens, got {T}")
     budgets = budgets_for(model.cfg.n_layer, policy, budget, spec.allocation, T - 1)
-    if policy.needs_future and (reference is None or reference.future is None):
-        raise ConfigError(f"strategy {policy.name!r} needs reference=full_reference(..., future=True)")
+    if policy.needs_future and (
+        reference is None or not (reference.attention and reference.attention.has_rows)
+    ):
+        raise ConfigError(f"strategy {policy.name!r} needs reference=full_reference(..., attention=True)")
     doc = doc if doc is not None else torch.arange(B, device=tokens.device)
     model.eval()
     start = time.perf_counter()
@@ -142,8 +144,8 @@ def stream(
     else:
         out = _loop_output(model, tokens, policy, budgets, reference, doc, spec)
     out.seconds = time.perf_counter() - start
-    if reference is not None and reference.attn is not None:  # NaN past the steps the reference covers
-        sink = reference.sink_mass()
+    if reference is not None and reference.attention is not None:  # NaN past the steps the reference covers
+        sink = reference.attention.sink
         out.sink_mass = sink.new_full((B, T - 1, sink.shape[-1]), float("nan"))
         out.sink_mass[:, : sink.shape[1]] = sink
     return out

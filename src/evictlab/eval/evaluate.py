@@ -78,14 +78,14 @@ def reference_for(
     when diagnostics (or the policy) need them, else chunked over a growing KV cache (no [T, T] matrix),
     read from `shared` when another run has computed it (eval/shared.py)."""
     batch = batch[:, : spec.full_max_len + 1]
-    attention, future = spec.diagnostics or policy.needs_future, policy.needs_future
+    attention = spec.diagnostics or policy.needs_future
 
     def compute() -> FullReference:
         if attention:
-            return full_reference(model, batch, attention=True, future=future)
-        return FullReference(logp=full_logp(model, batch, spec.block), attn=None)
+            return full_reference(model, batch, attention=True)
+        return FullReference(logp=full_logp(model, batch, spec.block))
 
-    return compute() if shared is None else shared.reference(model, batch, spec, attention, future, compute)
+    return compute() if shared is None else shared.reference(model, batch, spec, attention, compute)
 
 
 def run_batches(
@@ -182,8 +182,10 @@ def layer_table(b: Batches, per_token: dict[str, np.ndarray]) -> pd.DataFrame:
                 {"layer": l, "head": None, "metric": metric, "value": float(x)}
                 for l, x in enumerate(by_layer)
             ]
-    if b.refs[0].attn is not None:
-        first = [r.first_position_mass().float().cpu() * r.logp.shape[0] for r in b.refs]  # weight by streams
+    if b.refs[0].attention is not None:
+        first = [
+            r.attention.first_position_mass().float().cpu() * r.logp.shape[0] for r in b.refs
+        ]  # by streams
         per_head = (torch.stack(first).sum(0) / sum(b.sizes())).numpy()  # [L, H]
         rows += [
             {"layer": l, "head": h, "metric": "first_position_mass", "value": float(per_head[l, h])}
@@ -196,9 +198,9 @@ def layer_table(b: Batches, per_token: dict[str, np.ndarray]) -> pd.DataFrame:
 
 def attention_by_key(b: Batches) -> np.ndarray | None:
     """[L, n] mean full-cache attention by key position, each batch weighted by its number of streams."""
-    by_key = [r.attention_by_key() for r in b.refs]
-    if by_key[0] is None:
+    if b.refs[0].attention is None:
         return None
+    by_key = [r.attention.attention_by_key() for r in b.refs]
     w = torch.tensor([float(size) for size in b.sizes()])
     stacked = torch.stack([x.float().cpu() for x in by_key])
     return ((stacked * w[:, None, None]).sum(0) / w.sum()).numpy()

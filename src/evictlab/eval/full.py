@@ -1,5 +1,6 @@
-"""The full-cache reference: one teacher-forced forward with explicit attention weights, and the per-token
-metrics every path computes against it (NLL, top-1 correctness, KL and agreement with the full cache)."""
+"""The full-cache reference: one teacher-forced forward that keeps what the diagnostics need of its
+attention, and the per-token metrics every path computes against it (NLL, top-1 correctness, KL and
+agreement with the full cache)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,111 @@ import torch.nn.functional as F
 from evictlab.models.gpt import GPT, CausalSelfAttention
 
 N_SINK_DIAG = 4  # "sink" positions for the attention-mass diagnostic
+ROW_BYTES = 256 << 20  # attention rows a reference computes (and keeps) at once, summed over its layers
+
+
+def row_chunk(L: int, B: int, H: int, n: int) -> int:
+    """Queries per chunk of attention rows: L layers' chunks of [B, H, chunk, n] floats fit ROW_BYTES."""
+    return max(16, min(n, ROW_BYTES // max(1, 4 * L * B * H * n)))
+
+
+def causal_weights(q: torch.Tensor, k: torch.Tensor, s: int) -> torch.Tensor:
+    """Causal attention weights [B, H, m, e] of the queries at positions s .. s+m-1 (q [B, H, m, D]) over
+    the keys at positions 0 .. e-1 (k [B, Hkv, e, D], e = s + m); each KV head's query heads are the rows
+    of one matmul (grouped-query attention without repeating the keys)."""
+    B, H, m, D = q.shape
+    Hkv, e = k.shape[1], k.shape[2]
+    scores = (q.reshape(B, Hkv, (H // Hkv) * m, D) @ k.transpose(-1, -2)).view(B, H, m, e) * D**-0.5
+    hidden = torch.arange(e, device=q.device)[None, :] > torch.arange(s, s + m, device=q.device)[:, None]
+    return scores.masked_fill_(hidden, float("-inf")).softmax(-1)
+
+
+class FullAttention:
+    """The full cache's attention, never held as L x [B, H, n, n] (a 30-layer model over 4,096 tokens
+    would need 18 GB per stream): each layer's queries and keys as the full-cache forward rotated them,
+    from which rows are recomputed a chunk of queries at a time (one chunk kept per layer), and the
+    per-query summaries every run reads, computed once in the forward.
+
+    first [L, B, H, n]: attention on position 0; sink [B, n, L]: on the first N_SINK_DIAG positions, mean
+    over heads; by_key_sum [L, n]: attention each key receives, summed over documents, heads and queries.
+    q, k (None when only the summaries were asked for): per layer [B, H, n, D] and [B, Hkv, n, D]."""
+
+    def __init__(self, first, sink, by_key_sum, q=None, k=None):
+        self.first, self.sink, self.by_key_sum, self.q, self.k = first, sink, by_key_sum, q, k
+        L, B, H, n = first.shape
+        self.n, self.chunk = n, row_chunk(L, B, H, n)
+        self._rows: dict[int, tuple[int, torch.Tensor]] = {}  # layer -> (chunk start, its rows)
+        self._after: dict[int, torch.Tensor] = {}  # layer -> attention from the queries after each chunk
+
+    @property
+    def has_rows(self) -> bool:
+        return self.q is not None
+
+    def rows(self, l: int, s: int, e: int) -> torch.Tensor:
+        """[B, H, e-s, e]: the attention of the queries at s .. e-1 on the keys 0 .. e-1 in layer l."""
+        if self.q is None:
+            raise ValueError("this full-cache reference kept no queries and keys (rows=False)")
+        return causal_weights(self.q[l][:, :, s:e], self.k[l][:, :, :e], s)
+
+    def _chunk(self, l: int, t: int) -> tuple[int, torch.Tensor]:
+        start = t - t % self.chunk
+        if self._rows.get(l, (-1,))[0] != start:
+            self._rows[l] = (start, self.rows(l, start, min(self.n, start + self.chunk)))
+        return self._rows[l]
+
+    def row(self, l: int, t: int) -> torch.Tensor:
+        """[B, H, e]: query t's attention in layer l on keys 0 .. e-1 (e > t; zero after t)."""
+        start, rows = self._chunk(l, t)
+        return rows[:, :, t - start]
+
+    def future(self, l: int, t: int) -> torch.Tensor:
+        """[B, Hkv, n]: the attention key j receives from the queries after t in layer l, summed over the
+        query heads of each KV head (the oracle's score)."""
+        start, rows = self._chunk(l, t)
+        B, H, m, e = rows.shape
+        Hkv = self.k[l].shape[1]
+        if l not in self._after:
+            self._after[l] = self._later_chunks(l)
+        later = rows[:, :, t - start + 1 :]  # this chunk's queries after t
+        out = self._after[l][start // self.chunk].clone()
+        out[..., :e] += later.reshape(B, Hkv, -1, e).sum(2)
+        return out
+
+    def _later_chunks(self, l: int) -> torch.Tensor:
+        """[chunks, B, Hkv, n]: for each chunk, the attention from every query after it."""
+        B, Hkv = self.k[l].shape[:2]
+        starts = list(range(0, self.n, self.chunk))
+        out = self.k[l].new_zeros(len(starts), B, Hkv, self.n)
+        for i in range(len(starts) - 2, -1, -1):
+            s, e = starts[i + 1], min(self.n, starts[i + 1] + self.chunk)
+            out[i] = out[i + 1]
+            out[i, ..., :e] += self.rows(l, s, e).reshape(B, Hkv, -1, e).sum(2)
+        return out
+
+    def first_position_mass(self) -> torch.Tensor:
+        """[L, H]: attention on position 0, mean over documents and queries, per layer and head."""
+        return self.first.mean(dim=(1, 3))
+
+    def attention_by_key(self) -> torch.Tensor:
+        """[L, n]: mean attention each key position receives from the queries that can see it (averaged
+        over documents, heads and later queries): where does the model attend?"""
+        L, B, H, n = self.first.shape
+        seen = B * H * torch.arange(n, 0, -1, device=self.first.device, dtype=self.first.dtype)
+        return self.by_key_sum / seen
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """Everything this holds, by name (for eval/shared.py's store; `from_tensors` reads it back)."""
+        out = {"first": self.first, "sink": self.sink, "by_key_sum": self.by_key_sum}
+        for l in range(len(self.q or [])):
+            out[f"q{l}"], out[f"k{l}"] = self.q[l], self.k[l]
+        return out
+
+    @classmethod
+    def from_tensors(cls, t: dict[str, torch.Tensor]) -> FullAttention:
+        L = t["first"].shape[0]
+        q = [t[f"q{l}"] for l in range(L)] if "q0" in t else None
+        k = [t[f"k{l}"] for l in range(L)] if "k0" in t else None
+        return cls(t["first"], t["sink"], t["by_key_sum"], q, k)
 
 
 @dataclass
@@ -18,29 +124,7 @@ class FullReference:
     """The full-cache run of the same model on the same tokens (one teacher-forced forward)."""
 
     logp: torch.Tensor  # [B, n, V] log-probs of step t's prediction
-    attn: list[torch.Tensor] | None  # per layer [B, H, n, n]: query step i's attention on key j
-    future: list[torch.Tensor] | None = None  # per layer [B, Hkv, n, n]: attention on key j from steps > i
-
-    def attention_by_key(self) -> torch.Tensor | None:
-        """[L, n]: mean attention each key position receives from the queries that can see it
-        (averaged over documents, heads and later queries): where does the model attend?"""
-        if self.attn is None:
-            return None
-        B, H, n, _ = self.attn[0].shape
-        seen = B * H * torch.arange(n, 0, -1, device=self.attn[0].device, dtype=self.attn[0].dtype)
-        return torch.stack([a.sum(dim=(0, 1, 2)) / seen for a in self.attn])
-
-    def first_position_mass(self) -> torch.Tensor | None:
-        """[L, H]: attention on position 0, mean over documents and queries, per layer and head."""
-        if self.attn is None:
-            return None
-        return torch.stack([a[..., 0].mean(dim=(0, 2)) for a in self.attn])
-
-    def sink_mass(self) -> torch.Tensor | None:
-        """[B, n, L]: attention on the first N_SINK_DIAG positions, mean over heads."""
-        if self.attn is None:
-            return None
-        return torch.stack([a[..., :N_SINK_DIAG].sum(-1).mean(1) for a in self.attn], dim=-1)
+    attention: FullAttention | None = None  # its attention (summaries, and rows on demand)
 
 
 def token_metrics(
@@ -65,45 +149,62 @@ def gather_rows(rows: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
     return rows.gather(-1, pos.clamp(min=0)).masked_fill(pos < 0, 0)
 
 
-class _ExplicitCausal:
-    """Causal attention with the weights kept (SDPA does not return them), per layer in order."""
+class _ChunkedExplicit:
+    """Causal attention computed with explicit weights (SDPA does not return them) a chunk of queries at
+    a time, so no layer ever holds [B, H, n, n]: each chunk's weights give its output and are reduced at
+    once to the summaries FullAttention keeps (with `rows`, the rotated queries and keys are kept too)."""
 
-    def __init__(self, n: int, pos: torch.Tensor, keep: bool):
-        self.pos, self.keep, self.weights = pos, keep, []
-        self.causal = torch.ones(n, n, dtype=torch.bool, device=pos.device).tril()
+    def __init__(self, pos: torch.Tensor, L: int, rows: bool):
+        self.pos, self.keep_rows, self.L = pos, rows, L
+        self.first, self.sink, self.by_key, self.q, self.k = [], [], [], [], []
 
     def __call__(self, l: int, a: CausalSelfAttention, h: torch.Tensor) -> torch.Tensor:
         q, k, v = a.project(h)
         q, k = a.rotate(q, self.pos), a.rotate(a.smear(k), self.pos)
         B, H, n, D = q.shape
-        G = H // k.shape[1]
-        s = (q @ k.repeat_interleave(G, 1).transpose(-1, -2)) * D**-0.5
-        w = s.masked_fill(~self.causal, float("-inf")).softmax(-1)
-        if self.keep:
-            self.weights.append(w)
-        return a.out((w @ v.repeat_interleave(G, 1)).transpose(1, 2).reshape(B, n, H * D))
+        Hkv = k.shape[1]
+        first, sink, by_key = q.new_empty(B, H, n), q.new_empty(B, n), q.new_zeros(n)
+        y = q.new_empty(B, H, n, D)
+        chunk = row_chunk(self.L, B, H, n)
+        for s in range(0, n, chunk):
+            e = min(n, s + chunk)
+            w = causal_weights(q[:, :, s:e], k[:, :, :e], s)  # [B, H, m, e]
+            y[:, :, s:e] = (w.reshape(B, Hkv, -1, e) @ v[:, :, :e]).view(B, H, e - s, D)
+            first[:, :, s:e] = w[..., 0]
+            sink[:, s:e] = w[..., :N_SINK_DIAG].sum(-1).mean(1)
+            by_key[:e] += w.sum(dim=(0, 1, 2))
+        self.first.append(first)
+        self.sink.append(sink)
+        self.by_key.append(by_key)
+        if self.keep_rows:
+            self.q.append(q)
+            self.k.append(k)
+        return a.out(y.transpose(1, 2).reshape(B, n, H * D))
 
-
-def future_attention(weights: list[torch.Tensor], Hkv: int) -> list[torch.Tensor]:
-    """Per layer [B, Hkv, n, n]: the attention key j receives from the queries after step i, summed over
-    the query heads of each KV head."""
-    out = []
-    for w in weights:
-        B, H, n, _ = w.shape
-        wk = w.view(B, Hkv, H // Hkv, n, n).sum(2)  # [B, Hkv, n, n]
-        inclusive = wk.flip(2).cumsum(2).flip(2)  # sum over queries i' >= i
-        out.append(inclusive - wk)  # strictly later queries
-    return out
+    def attention(self) -> FullAttention:
+        rows = (self.q, self.k) if self.keep_rows else (None, None)
+        first, sink, by_key = torch.stack(self.first), torch.stack(self.sink, -1), torch.stack(self.by_key)
+        return FullAttention(first, sink, by_key, *rows)
 
 
 @torch.no_grad()
 def full_reference(
-    model: GPT, tokens: torch.Tensor, attention: bool = True, future: bool = False
+    model: GPT, tokens: torch.Tensor, attention: bool = True, rows: bool = True
 ) -> FullReference:
-    """One teacher-forced forward over tokens[:, :-1] with explicit attention weights."""
+    """One teacher-forced forward over tokens[:, :-1]; with `attention`, its attention (`FullAttention`:
+    the summaries, and with `rows` the queries and keys its rows are recomputed from)."""
     inp = tokens[:, :-1]
     pos = torch.arange(inp.shape[1], device=tokens.device)
-    attend = _ExplicitCausal(inp.shape[1], pos, keep=attention or future)
+    attend = _ChunkedExplicit(pos, model.cfg.n_layer, rows and attention)
     logp = F.log_softmax(model.forward_with(inp, pos, attend), dim=-1)
-    fut = future_attention(attend.weights, model.cfg.kv_heads) if future else None
-    return FullReference(logp=logp, attn=attend.weights if attention else None, future=fut)
+    return FullReference(logp=logp, attention=attend.attention() if attention else None)
+
+
+@torch.no_grad()
+def attention_summary(model: GPT, tokens: torch.Tensor) -> FullAttention:
+    """The full cache's attention summaries over tokens [B, n] (no rows, and the head only at the last
+    position: no [B, n, vocab] logits), for metrics of the model itself (eval/sinks.py)."""
+    pos = torch.arange(tokens.shape[1], device=tokens.device)
+    attend = _ChunkedExplicit(pos, model.cfg.n_layer, rows=False)
+    model.forward_with(tokens, pos, attend, last_only=True)
+    return attend.attention()

@@ -102,14 +102,14 @@ class LostAttention:
     (1 - the full-cache attention on the held positions, mean over heads), per step and layer [B, n, L]."""
 
     def __init__(self, ref: FullReference, groups: int, B: int, n: int, L: int, like: torch.Tensor):
-        self.attn, self.groups = ref.attn, groups
-        self.covered = ref.attn[0].shape[2]  # steps the reference's attention covers (NaN after)
+        self.attention, self.groups = ref.attention, groups
+        self.covered = ref.attention.n  # steps the reference's attention covers (NaN after)
         self.values = like.new_full((B, n, L), float("nan"))
 
     def observe(self, l: int, t: int, pos: torch.Tensor) -> None:
         if t >= self.covered:
             return
-        full_row = self.attn[l][:, :, t]  # [B, H, n]
+        full_row = self.attention.row(l, t)  # [B, H, > t]
         held = gather_rows(full_row, pos.repeat_interleave(self.groups, 1)).sum(-1)  # [B, H]
         self.values[:, t, l] = 1 - held.mean(1)
 
@@ -215,7 +215,7 @@ class TokenLoop:
         slots = max(min(b + 1, n) for b in budgets)  # cache-mode ranks are 0 .. slots-1
         self.like, self.rope = like, RopeTable(cfg, like, slots) if rope else None
         self.lost = None
-        if ref is not None and ref.attn is not None:
+        if ref is not None and ref.attention is not None and ref.attention.has_rows:
             self.lost = LostAttention(ref, self.groups, B, n, cfg.n_layer, like)
         self.occupancy = torch.empty(n, cfg.n_layer, dtype=torch.long, device=doc.device)
         self.policy_seconds = 0.0
@@ -323,9 +323,9 @@ class TokenLoop:
 
     def future_of(self, l: int):
         """For the oracle: pos [B, Hkv, S] -> the attention later full-cache queries put on them."""
-        if self.ref is None or self.ref.future is None:
+        if not self.policy.needs_future or self.ref is None or self.ref.attention is None:
             return None
-        row = self.ref.future[l][:, :, self.t]  # [B, Hkv, n]
+        row = self.ref.attention.future(l, self.t)  # [B, Hkv, n]
         return lambda pos: gather_rows(row, pos)
 
 

@@ -78,8 +78,8 @@ class _ReferenceStep:
 
     def evict(self, l: int, c: _NaiveCache, row: torch.Tensor) -> None:
         future = None
-        if self.reference is not None and self.reference.future is not None:
-            fut_row = self.reference.future[l][self.row : self.row + 1, :, self.t]  # [1, Hkv, n]
+        if self.policy.needs_future and self.reference is not None and self.reference.attention is not None:
+            fut_row = self.reference.attention.future(l, self.t)[self.row : self.row + 1]  # [1, Hkv, n]
 
             def future(pos, fut_row=fut_row):
                 return fut_row.gather(-1, pos)

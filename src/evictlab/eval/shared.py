@@ -9,11 +9,11 @@ folder name and weights hash), the exact tokens (cut to the reference's cap), th
 device. How a reference is computed stays in `evaluate.reference_for`; this module only stores it.
 
 With `eval.diagnostics=false` the entry is the chunked reference's log-probs only. With diagnostics on it
-also holds the attention rows, [B, H, n, n] per layer (8 x 4 x 512 x 512 x 4 layers of float32 = 134 MB
-for the default sweep's streams on gpt_small), since the attention-lost diagnostic of every policy reads
-them; the oracle's future attention is derived from them on load. The two kinds are separate entries
-(their log-probs differ by rounding).
-An entry over MAX_BYTES (1 GiB: the attention rows of a long stream) is not stored: each run computes it.
+also holds the full cache's attention as `FullAttention` keeps it: each layer's rotated queries and keys
+(rows are recomputed from them) and the per-query summaries (attention on position 0 and on the first
+positions, attention by key), 30 x 8 x 12 x 1,024 x 64 floats = 755 MB for 8 streams of 1,024 tokens on
+SmolLM2-135M, never the L x [B, H, n, n] rows themselves. The two kinds are separate entries (their
+log-probs differ by rounding). An entry over MAX_BYTES is not stored: each run computes it.
 """
 
 from __future__ import annotations
@@ -26,12 +26,13 @@ import torch
 from filelock import FileLock
 from safetensors.torch import load_file, save_file
 
-from evictlab.eval.full import FullReference, future_attention
+from evictlab.eval.full import FullAttention, FullReference
 from evictlab.eval.spec import StreamSpec
 from evictlab.models.gpt import GPT
 from evictlab.store import stable_hash, write_atomic
 
-MAX_BYTES = 1 << 30  # larger entries (attention rows of long streams) are computed by each run, not stored
+STORE_FORMAT = 2  # 2: FullAttention's queries, keys and summaries (1 held the attention rows)
+MAX_BYTES = 8 << 30  # larger entries are computed by each run, not stored (log-probs: B x n x vocab floats)
 
 
 class SharedReferences:
@@ -45,6 +46,7 @@ class SharedReferences:
         tokens = hashlib.sha256(batch.detach().cpu().numpy().tobytes()).hexdigest()
         dtype, device = model.wte.weight.dtype, batch.device.type
         settings = {"shape": list(batch.shape), "dtype": str(dtype), "device": device, "attention": attention}
+        settings["format"] = STORE_FORMAT
         settings["block"] = None if attention else spec.block  # the explicit forward has no blocks
         return stable_hash({"checkpoint": self.checkpoint, "tokens": tokens, **settings})
 
@@ -54,12 +56,10 @@ class SharedReferences:
         batch: torch.Tensor,
         spec: StreamSpec,
         attention: bool,
-        future: bool,
         compute: Callable[[], FullReference],
     ) -> FullReference:
         """The full-cache run of batch [B, n + 1] (already cut to the reference's cap): log-probs [B, n, V]
-        and, with `attention`, the attention rows per layer (and the future attention when asked), read
-        from the store, or `compute()`d and stored."""
+        and, with `attention`, its FullAttention, read from the store, or `compute()`d and stored."""
         path = self.root / f"{self.key(model, batch, spec, attention)}.safetensors"
         path.parent.mkdir(parents=True, exist_ok=True)
         L, n = model.cfg.n_layer, batch.shape[1] - 1
@@ -68,11 +68,10 @@ class SharedReferences:
             if stored is not None:
                 self.read += 1
                 stored = {k: v.to(batch.device) for k, v in stored.items()}
-                attn = [stored[f"attn{l}"] for l in range(L)] if attention else None
-                fut = future_attention(attn, model.cfg.kv_heads) if future else None
-                return FullReference(logp=stored["logp"], attn=attn, future=fut)
+                logp = stored.pop("logp")
+                return FullReference(logp, FullAttention.from_tensors(stored) if attention else None)
             ref = compute()
-            tensors = {"logp": ref.logp, **{f"attn{l}": w for l, w in enumerate(ref.attn or [])}}
+            tensors = {"logp": ref.logp, **(ref.attention.tensors() if ref.attention else {})}
             self.computed += 1
             if sum(v.numel() * v.element_size() for v in tensors.values()) > MAX_BYTES:
                 return ref
@@ -90,7 +89,9 @@ class SharedReferences:
             stored = load_file(str(path))
         except Exception:  # a damaged file is recomputed, like a damaged checkpoint
             return None
-        names = {"logp", *(f"attn{l}" for l in range(layers))}
+        names = {"logp"}
+        if layers:
+            names |= {"first", "sink", "by_key_sum", *(f"{x}{l}" for l in range(layers) for x in "qk")}
         if set(stored) != names or tuple(stored["logp"].shape[:2]) != shape:
             return None
         return stored if all(torch.isfinite(v).all() for v in stored.values()) else None

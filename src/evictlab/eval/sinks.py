@@ -9,29 +9,38 @@ checkpoint meta).
   App. F), mean over heads and sequences.
 
 Streams start with the corpus prefix, so position 0 is <bos> (or <sink>). The text comes from a fixed
-seed, so the numbers depend on the model only.
+seed, so the numbers depend on the model only: `cached_sink_metrics` computes them once per (checkpoint,
+corpus, context) and every later run reads them (a 30-layer model spends more on them than on a run).
 """
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pandas as pd
 import torch
+from filelock import FileLock
 
 from evictlab.data.dataset import Corpus
 from evictlab.data.streams import eval_streams
-from evictlab.eval.full import full_reference
+from evictlab.eval.full import attention_summary
 from evictlab.models.gpt import GPT
+from evictlab.store import stable_hash, write_json
+
+SINK_FORMAT = 1  # bump when the metrics' definition changes (part of the cache key)
 
 SINK_THRESHOLD = 0.3  # Gu et al.'s epsilon
 SINK_SEQ_LEN = 64  # tokens per sequence for alpha_h (position 0 included)
 SINK_SEQS = 64  # sequences for alpha_h
 LAST_QUERY_SEQS = 8  # sequences at the training context for the last query's attention
+PRETRAINED_CONTEXT = 1024  # a pretrained model's "training context" here (its own, if shorter)
 
 
-def _first_position_attention(model: GPT, tokens: torch.Tensor) -> list[torch.Tensor]:
-    """Per layer [B, H, n]: each query's attention on position 0 (tokens [B, n+1])."""
-    ref = full_reference(model, tokens, attention=True)
-    return [a[..., 0] for a in ref.attn]
+def _first_position_attention(model: GPT, tokens: torch.Tensor) -> torch.Tensor:
+    """[L, B, H, n]: each query's attention on position 0 (tokens [B, n+1]), computed a chunk of queries at
+    a time (no [n, n] matrix per layer is kept)."""
+    return attention_summary(model, tokens[:, :-1]).first
 
 
 @torch.no_grad()
@@ -39,11 +48,11 @@ def sink_metrics(model: GPT, corpus: Corpus, context: int, sink_token: bool, spl
     """(scalars, per-layer/per-head rows for layers.parquet) of the model's attention sink."""
     device = next(model.parameters()).device
     short = eval_streams(corpus, SINK_SEQS, SINK_SEQ_LEN + 1, sink_token, "concat", split, seed=0)
-    alpha = torch.stack([a.mean(dim=(0, 2)) for a in _first_position_attention(model, short.to(device))])
+    alpha = _first_position_attention(model, short.to(device)).mean(dim=(1, 3))  # [L, H]
     sinks = (alpha > SINK_THRESHOLD).float()  # [L, H]
     n_long = min(LAST_QUERY_SEQS, max(1, len(corpus.splits[split].ids) // (context + 1) - 1))
     long = eval_streams(corpus, n_long, context + 1, sink_token, "concat", split, seed=0)
-    last = [a[:, :, -1].mean().item() for a in _first_position_attention(model, long.to(device))]
+    last = _first_position_attention(model, long.to(device))[..., -1].mean(dim=(1, 2)).tolist()
     scalars = {
         "sink_head_fraction": float(sinks.mean()),
         "sink_head_fraction_deep": float(sinks[1:].mean()) if len(sinks) > 1 else float("nan"),
@@ -58,3 +67,42 @@ def sink_metrics(model: GPT, corpus: Corpus, context: int, sink_token: bool, spl
     ]
     layers = pd.DataFrame(rows, columns=["layer", "head", "metric", "value"])
     return scalars, layers.astype({"layer": "int64", "head": "Int64", "value": "float64"})
+
+
+def cached_sink_metrics(
+    root: Path, checkpoint: str, model: GPT, corpus: Corpus, context: int, sink_token: bool, split: str
+):
+    """`sink_metrics`, computed by the first run that asks for them and stored under root/<key>.json for
+    every later one; the key holds the checkpoint (name and weights hash), the corpus's tokens, the
+    context and the precision, so a retrained or re-tokenised subject is measured again."""
+    weights = model.wte.weight
+    key = stable_hash(
+        {
+            "checkpoint": checkpoint,
+            "data_hash": corpus.data_hash,
+            "context": context,
+            "sink_token": sink_token,
+            "split": split,
+            "dtype": str(weights.dtype),
+            "device": weights.device.type,
+            "format": SINK_FORMAT,
+            "shape": [SINK_THRESHOLD, SINK_SEQ_LEN, SINK_SEQS, LAST_QUERY_SEQS],
+        }
+    )
+    path = Path(root) / f"{key}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(path) + ".lock"):
+        try:
+            stored = json.loads(path.read_text())
+            layers = pd.DataFrame(stored["layers"], columns=["layer", "head", "metric", "value"])
+            return stored["scalars"], layers.astype({"layer": "int64", "head": "Int64", "value": "float64"})
+        except (OSError, ValueError, KeyError):  # absent or damaged: measured (again)
+            pass
+        scalars, layers = sink_metrics(model, corpus, context, sink_token, split)
+        rows = [
+            {"layer": int(r.layer), "head": None if pd.isna(r.head) else int(r.head), "metric": r.metric,
+             "value": float(r.value)}
+            for r in layers.itertuples()
+        ]  # fmt: skip
+        write_json(path, {"scalars": scalars, "layers": rows})
+        return scalars, layers

@@ -124,17 +124,23 @@ class Recorder:
         m = token_metrics(logp[:, : c - s], self.tgt[:, s:c], self.ref.logp[:, s:c])
         self._write("kl", s, m["kl"])
         self._write("agree", s, m["agree"])
-        if self.ref.attn is not None and self.windows is not None:  # (the blocked path tracks its own)
+        attention = self.ref.attention
+        if attention is not None and attention.has_rows and self.windows is not None:  # (blocked: its own)
             self._write("lost", s, self.lost(s, c))
 
     def lost(self, s: int, c: int) -> torch.Tensor:
-        """[B, c-s, L]: the full-cache attention of steps s .. c-1 on keys outside each layer's window."""
-        qpos, kpos = torch.arange(s, c, device=self.tgt.device), torch.arange(c, device=self.tgt.device)
-        out = []
-        for attn, window in zip(self.ref.attn, self.windows, strict=True):
-            keep = BandCache(*window).visible(qpos, kpos)
-            out.append(1 - (attn[:, :, s:c, :c] * keep).sum(-1).mean(1))
-        return torch.stack(out, -1)
+        """[B, c-s, L]: the full-cache attention of steps s .. c-1 on keys outside each layer's window
+        (its rows recomputed a chunk of steps at a time)."""
+        attention, device = self.ref.attention, self.tgt.device
+        out = self.tgt.new_empty(self.tgt.shape[0], c - s, len(self.windows), dtype=attention.first.dtype)
+        for l, window in enumerate(self.windows):
+            for a in range(s, c, attention.chunk):
+                b = min(c, a + attention.chunk)
+                keep = BandCache(*window).visible(
+                    torch.arange(a, b, device=device), torch.arange(b, device=device)
+                )
+                out[:, a - s : b - s, l] = 1 - (attention.rows(l, a, b) * keep).sum(-1).mean(1)
+        return out
 
 
 @torch.no_grad()
