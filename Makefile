@@ -81,8 +81,9 @@ sync: ## Upload offline W&B runs (needs a network and `wandb login`)
 		$(VENV)/bin/wandb sync --include-offline $(OUT)/wandb/offline-run-*; \
 	else echo "no offline W&B runs under $(OUT)/wandb"; fi
 
-bench: ## Engine speed/KV-memory benchmark vs the naive reference loop -> outputs/bench/latest.json
+bench: ## Engine speed/KV memory vs the naive loop (latest.json), then on SmolLM2 vs transformers (smollm2.json)
 	$(PY) benchmarks/bench_engine.py $(ARGS)
+	$(PY) benchmarks/bench_smollm2.py
 
 bench-long: ## Long streams: peak RSS and token-steps/s at 8,192 and 2^18 tokens, the full cache at 32,768
 	$(PY) benchmarks/bench_long.py $(ARGS)

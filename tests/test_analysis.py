@@ -316,3 +316,36 @@ def test_nll_vs_position_keeps_one_stream_length():
         max(line.get_ydata().max() for line in fig_all.axes[0].get_lines() if len(line.get_ydata()) > 2) > 3
     )
     plt.close("all")
+
+
+def test_sinks_vs_count_is_the_paired_ratio_per_count_bos_and_mode():
+    """StreamingLLM's initial-token table as a figure: one line per (BOS first or not, position mode), x the
+    number of initial positions kept, y exp(mean NLL - full-cache NLL) over the streams of those runs."""
+    import matplotlib.pyplot as plt
+
+    rows, settings = [], []
+    for n_sink in (0, 1, 4):
+        for bos in (True, False):
+            for mode in ("original", "cache"):
+                key = f"k{n_sink}{bos}{mode}"
+                gap = (
+                    (1.0 if n_sink == 0 else 0.1) + (0.5 if not bos else 0) + (0.2 if mode == "cache" else 0)
+                )
+                settings.append({"run_key": key, "cfg.strategy.params.n_sink": n_sink, "cfg.dataset.bos": bos,
+                                 "metric": "ppl", "value": 1.0})  # fmt: skip
+                for stream in range(5):
+                    full = 2.0 + 0.3 * stream
+                    rows.append({"run_key": key, "strategy": "streaming_llm", "budget": 64,
+                                 "position_mode": mode, "seed": 0, "stream": stream, "nll": full + gap,
+                                 "nll_full": full})  # fmt: skip
+    streams, results = with_facts(pd.DataFrame(rows)), pd.DataFrame(settings)
+    fig = F.sinks_vs_count(streams, results)
+    lines = {ln.get_label(): list(ln.get_ydata()) for ln in fig.axes[0].get_lines()}
+    assert lines["BOS first, original positions"] == pytest.approx(np.exp([1.0, 0.1, 0.1]))
+    assert lines["no BOS, cache positions"] == pytest.approx(np.exp([1.7, 0.8, 0.8]))
+    assert [t.get_text() for t in fig.axes[0].get_xticklabels()] == ["0", "1", "4"]
+    assert "budget 64; 5 streams" in fig.axes[0].get_title()
+    tables = {"streams": streams, "results": results}
+    assert F.FIGURES["sinks_vs_count"].applies(tables)
+    assert not F.FIGURES["sinks_vs_count"].applies({"streams": streams, "results": results.iloc[:1]})
+    plt.close("all")

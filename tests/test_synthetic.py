@@ -109,12 +109,16 @@ def test_sink_metrics_follow_gu_et_al(monkeypatch, corpus):
 
     def fake(model, tokens):
         B, n = tokens.shape[0], tokens.shape[1] - 1
-        return [alpha[l][None, :, None].expand(B, 2, n).clone() for l in range(3)]
+        return alpha[:, None, :, None].expand(3, B, 2, n).clone()  # [L, B, H, n]
 
     monkeypatch.setattr(sinks, "_first_position_attention", fake)
     scalars, layers = sinks.sink_metrics(torch.nn.Linear(1, 1), corpus, 64, False)
     assert scalars["sink_head_fraction"] == pytest.approx(3 / 6)  # 0.9, 0.5, 0.31 exceed 0.3
     assert scalars["sink_head_fraction_deep"] == pytest.approx(2 / 4)  # layers >= 1: 0.5, 0.31
+    # Gu et al.'s metric at three thresholds (strictly above): 0.1 -> five heads, 0.2 -> four, 0.3 as above
+    assert [scalars[f"sink_head_fraction_eps{e}"] for e in (10, 20, 30)] == pytest.approx(
+        [5 / 6, 4 / 6, 3 / 6]
+    )
     last = layers[layers["metric"] == "last_query_first_mass"].sort_values("layer")["value"]
     assert last.tolist() == pytest.approx([0.5, 0.35, 0.3])  # mean over heads
     a = layers[layers["metric"] == "sink_alpha"].pivot(index="layer", columns="head", values="value")

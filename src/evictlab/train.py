@@ -375,11 +375,15 @@ def save_checkpoint(dest: Path, model: GPT, meta: dict[str, Any]) -> None:
 
 
 def cached_checkpoint(
-    dest: Path, check: Callable[[dict[str, Any]], None], build: Callable[[], tuple[GPT, dict[str, Any]]]
+    dest: Path,
+    check: Callable[[dict[str, Any]], None],
+    build: Callable[[], tuple[GPT, dict[str, Any]]],
+    remake: str = "retraining it",
 ) -> Checkpoint:
     """The checkpoint folder `dest`: loaded when present, intact and accepted by `check(meta)` (which
     raises ValueError otherwise), else made by `build()` -> (model, meta) once, under a file lock (other
-    processes wait and load it), and written atomically."""
+    processes wait and load it), and written atomically. An unusable one is made again with a warning
+    that ends with `remake`."""
 
     def try_load() -> Checkpoint | None:
         if not dest.exists():
@@ -389,7 +393,7 @@ def cached_checkpoint(
             check(meta)
             return Checkpoint(dest, model, meta, cached=True)
         except ValueError as e:
-            log.warning("%s; making it again", e)
+            log.warning("%s; %s", e, remake)
             return None
 
     if (hit := try_load()) is not None:
@@ -482,7 +486,8 @@ def gguf_checkpoint(cfg: Config) -> Checkpoint:
         }
         return model, meta
 
-    return cached_checkpoint(cfg.outputs / "checkpoints" / f"{cfg.model.name}-{key}", check, build)
+    dest = cfg.outputs / "checkpoints" / f"{cfg.model.name}-{key}"
+    return cached_checkpoint(dest, check, build, remake="converting it again")
 
 
 def pretrained(cfg: Config) -> Checkpoint:

@@ -333,6 +333,43 @@ def position_modes(streams: pd.DataFrame) -> Figure:
     return fig
 
 
+def run_settings(results: pd.DataFrame, columns: dict[str, str]) -> pd.DataFrame:
+    """One row per run_key with the named config columns of results.parquet (renamed: {column: name})."""
+    have = [c for c in columns if c in results]
+    return results.drop_duplicates("run_key").set_index("run_key")[have].rename(columns=columns)
+
+
+def sinks_vs_count(streams: pd.DataFrame, results: pd.DataFrame) -> Figure:
+    """StreamingLLM's initial-token table as a figure: the sinks-plus-window cache's perplexity relative to
+    the full cache (paired, 95% CI over streams) against the number of initial positions kept (0: a plain
+    window), one line per (stream starts with BOS or not, position mode)."""
+    theme()
+    settings = run_settings(results, {"cfg.strategy.params.n_sink": "n_sink", "cfg.dataset.bos": "bos"})
+    s = evicting(streams).join(settings, on="run_key").assign(delta=lambda d: d["nll"] - d["nll_full"])
+    r = summarize_streams(s, "delta", np.exp, keys=("bos", "position_mode", "n_sink"))
+    counts = sorted(int(n) for n in r["n_sink"].unique())
+    x = {n: i for i, n in enumerate(counts)}
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    colors = {True: _PALETTE[2], False: _PALETTE[3]}
+    for (bos, mode), g in r.groupby(["bos", "position_mode"]):
+        g = g.sort_values("n_sink")
+        xs = [x[int(n)] for n in g["n_sink"]]
+        style = {"color": colors[bool(bos)], "ls": "-" if mode == "original" else "--"}
+        label = f"{'BOS first' if bool(bos) else 'no BOS'}, {mode} positions"
+        ax.plot(xs, g["point"], marker="o" if mode == "original" else "s", ms=4, label=label, **style)
+        ax.fill_between(xs, g["low"], g["high"], alpha=0.15, color=style["color"])
+    ax.axhline(1.0, color="k", lw=0.8, ls=":", label="full cache")
+    ax.set_xticks(range(len(counts)))
+    ax.set_xticklabels([str(n) for n in counts])
+    _log_y(ax)
+    n = int(r["n"].max()) if len(r) else 0
+    budget = ", ".join(str(int(b)) for b in sorted(evicting(streams)["budget"].unique()))
+    title = f"Initial positions kept (budget {budget}; {n} streams, paired 95% CI)"
+    return _finish(
+        fig, ax, "initial positions kept (n_sink; 0 = window)", "perplexity / full-cache perplexity", title
+    )
+
+
 def attention_heatmap(attention: pd.DataFrame) -> Figure:
     """Mean full-cache attention by key position (log-spaced buckets) and layer: are there sinks?"""
     from matplotlib.colors import LogNorm
@@ -647,6 +684,15 @@ def _evicting_budgets(t: Tables) -> bool:
     return not evicting(t["curves"]).empty
 
 
+def _sink_counts(t: Tables) -> bool:
+    """A sweep over StreamingLLM's number of initial positions (and nothing else evicting)."""
+    column = "cfg.strategy.params.n_sink"
+    if "nll_full" not in t["streams"] or column not in t.get("results", pd.DataFrame()):
+        return False
+    policies = set(evicting(t["streams"])["strategy"])
+    return policies == {"streaming_llm"} and t["results"][column].nunique() > 1
+
+
 def _variant_sink(t: Tables) -> bool:
     return _many_variants(t) and bool(first_token_mass(t["layers"]))
 
@@ -671,6 +717,9 @@ FIGURES: dict[str, FigureSpec] = {
     "recall_heatmaps": FigureSpec(_on("recall", recall_heatmaps), _has("recall"), _mode_arg),
     "attention_heatmap": FigureSpec(_on("attention", attention_heatmap), _has("attention")),
     "position_modes": FigureSpec(_on("streams", position_modes), _two_modes),
+    "sinks_vs_count": FigureSpec(
+        lambda t, **a: sinks_vs_count(t["streams"], t["results"], **a), _sink_counts
+    ),
     "sink_by_variant": FigureSpec(_on("layers", sink_by_variant), _variant_sink, per_variant=True),
     "eviction_by_variant": FigureSpec(
         _on("streams", eviction_by_variant), _variant_eviction, per_variant=True

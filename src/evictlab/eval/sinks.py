@@ -5,6 +5,8 @@ checkpoint meta).
   2025): alpha_h = the attention on position 0, averaged over every query of sequences of 64 tokens of
   held-out text; a (layer, head) is a sink head when alpha_h > 0.3; the metric is the share of sink heads.
 * `sink_head_fraction_deep`: the same over layers >= 1 (Gu and StreamingLLM find no sinks in layer 0).
+* `sink_head_fraction_eps10`, `_eps20`, `_eps30`: the share at epsilon 0.1, 0.2 and 0.3 (Gu et al. report
+  the metric's dependence on the threshold; a 0.3 cut alone hides heads just below it).
 * per layer: the attention the last query puts on position 0 at the training context (StreamingLLM,
   App. F), mean over heads and sequences.
 
@@ -28,9 +30,12 @@ from evictlab.eval.full import attention_summary
 from evictlab.models.gpt import GPT
 from evictlab.store import stable_hash, write_json
 
-SINK_FORMAT = 1  # bump when the metrics' definition changes (part of the cache key)
+SINK_FORMAT = (
+    2  # (2: the share at three thresholds) bump when the metrics' definition changes (part of the cache key)
+)
 
 SINK_THRESHOLD = 0.3  # Gu et al.'s epsilon
+SINK_THRESHOLDS = (0.1, 0.2, 0.3)  # also reported (`sink_head_fraction_eps<100 x epsilon>`)
 SINK_SEQ_LEN = 64  # tokens per sequence for alpha_h (position 0 included)
 SINK_SEQS = 64  # sequences for alpha_h
 LAST_QUERY_SEQS = 8  # sequences at the training context for the last query's attention
@@ -57,6 +62,8 @@ def sink_metrics(model: GPT, corpus: Corpus, context: int, sink_token: bool, spl
         "sink_head_fraction": float(sinks.mean()),
         "sink_head_fraction_deep": float(sinks[1:].mean()) if len(sinks) > 1 else float("nan"),
     }
+    for eps in SINK_THRESHOLDS:
+        scalars[f"sink_head_fraction_eps{round(100 * eps)}"] = float((alpha > eps).float().mean())
     rows = [
         {"layer": l, "head": None, "metric": "last_query_first_mass", "value": v} for l, v in enumerate(last)
     ]
@@ -86,7 +93,7 @@ def cached_sink_metrics(
             "dtype": str(weights.dtype),
             "device": weights.device.type,
             "format": SINK_FORMAT,
-            "shape": [SINK_THRESHOLD, SINK_SEQ_LEN, SINK_SEQS, LAST_QUERY_SEQS],
+            "shape": [SINK_THRESHOLDS, SINK_SEQ_LEN, SINK_SEQS, LAST_QUERY_SEQS],
         }
     )
     path = Path(root) / f"{key}.json"
