@@ -15,6 +15,7 @@ from evictlab.data.streams import eval_streams
 from evictlab.errors import ConfigError
 from evictlab.eval import StreamSpec, full_reference, stream
 from evictlab.eval.evaluate import evaluate, kv_bytes
+from evictlab.eval.static import BandCache
 from evictlab.models.gpt import GPT, GPTConfig
 from tests.conftest import make_cfg
 
@@ -183,6 +184,15 @@ def test_full_reference_attention_rows_sum_to_one(model, tokens):
             # future attention on key j at step i = attention from steps > i, summed over the group's heads
             expected = a[:, :, i + 1 :].sum(2).view(2, Hkv, G, n).sum(2)
             torch.testing.assert_close(att.future(l, i), expected)
+        # the attention on a held set or a static window, from those keys alone, is the rows' sum over them
+        pos = torch.tensor([[0, 3, 7, -1], [1, 2, -1, 9], [0, 1, 2, 3], [9, 8, -1, -1]])[None].expand(2, 4, 4)
+        pos = pos[:, :Hkv].contiguous()
+        held = a[:, :, 9].gather(-1, pos.clamp(min=0).repeat_interleave(G, 1))
+        expected = held.masked_fill(pos.repeat_interleave(G, 1) < 0, 0).sum(-1)
+        torch.testing.assert_close(att.held_mass(l, 9, pos), expected)
+        for window, s, e in (((2, 5), 3, 20), ((0, 4), 10, 32), ((1, None), 0, 32)):
+            keep = BandCache(*window).visible(torch.arange(s, e), torch.arange(e))
+            torch.testing.assert_close(att.window_mass(l, s, e, window), (a[:, :, s:e, :e] * keep).sum(-1))
         # the summaries the forward computed are those of the rows
         torch.testing.assert_close(att.first[l], a[..., 0])
         torch.testing.assert_close(att.sink[..., l], a[..., :4].sum(-1).mean(1))

@@ -20,15 +20,22 @@ def row_chunk(L: int, B: int, H: int, n: int) -> int:
     return max(16, min(n, ROW_BYTES // max(1, 4 * L * B * H * n)))
 
 
-def causal_weights(q: torch.Tensor, k: torch.Tensor, s: int) -> torch.Tensor:
-    """Causal attention weights [B, H, m, e] of the queries at positions s .. s+m-1 (q [B, H, m, D]) over
-    the keys at positions 0 .. e-1 (k [B, Hkv, e, D], e = s + m); each KV head's query heads are the rows
-    of one matmul (grouped-query attention without repeating the keys)."""
+def scores(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """Scaled attention scores [B, H, m, e] of queries q [B, H, m, D] on keys k [B, Hkv, e, D]: each KV
+    head's query heads are the rows of one matmul (grouped-query attention without repeating the keys)."""
     B, H, m, D = q.shape
-    Hkv, e = k.shape[1], k.shape[2]
-    scores = (q.reshape(B, Hkv, (H // Hkv) * m, D) @ k.transpose(-1, -2)).view(B, H, m, e) * D**-0.5
+    Hkv, e = k.shape[1], k.shape[-2]
+    return (q.reshape(B, Hkv, (H // Hkv) * m, D) @ k.transpose(-1, -2)).view(B, H, m, e) * D**-0.5
+
+
+def causal_weights(q: torch.Tensor, k: torch.Tensor, s: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(causal attention weights [B, H, m, e], their log normaliser [B, H, m]) of the queries at positions
+    s .. s+m-1 (q [B, H, m, D]) over the keys at positions 0 .. e-1 (k [B, Hkv, e, D], e = s + m)."""
+    m, e = q.shape[2], k.shape[2]
     hidden = torch.arange(e, device=q.device)[None, :] > torch.arange(s, s + m, device=q.device)[:, None]
-    return scores.masked_fill_(hidden, float("-inf")).softmax(-1)
+    x = scores(q, k).masked_fill_(hidden, float("-inf"))
+    lse = x.logsumexp(-1)
+    return x.sub_(lse[..., None]).exp_(), lse
 
 
 class FullAttention:
@@ -38,11 +45,14 @@ class FullAttention:
     per-query summaries every run reads, computed once in the forward.
 
     first [L, B, H, n]: attention on position 0; sink [B, n, L]: on the first N_SINK_DIAG positions, mean
-    over heads; by_key_sum [L, n]: attention each key receives, summed over documents, heads and queries.
-    q, k (None when only the summaries were asked for): per layer [B, H, n, D] and [B, Hkv, n, D]."""
+    over heads; by_key_sum [L, n]: attention each key receives, summed over documents, heads and queries;
+    lse [L, B, H, n]: each query's log normaliser (logsumexp of its scores), so the full cache's attention
+    on any set of keys is a sum over that set alone (`held_mass`: attention lost costs O(budget) per
+    query, not O(n)). q, k (None when only the summaries were asked for): per layer [B, H, n, D] and
+    [B, Hkv, n, D]."""
 
-    def __init__(self, first, sink, by_key_sum, q=None, k=None):
-        self.first, self.sink, self.by_key_sum, self.q, self.k = first, sink, by_key_sum, q, k
+    def __init__(self, first, sink, by_key_sum, lse, q=None, k=None):
+        self.first, self.sink, self.by_key_sum, self.lse, self.q, self.k = first, sink, by_key_sum, lse, q, k
         L, B, H, n = first.shape
         self.n, self.chunk = n, row_chunk(L, B, H, n)
         self._rows: dict[int, tuple[int, torch.Tensor]] = {}  # layer -> (chunk start, its rows)
@@ -56,7 +66,33 @@ class FullAttention:
         """[B, H, e-s, e]: the attention of the queries at s .. e-1 on the keys 0 .. e-1 in layer l."""
         if self.q is None:
             raise ValueError("this full-cache reference kept no queries and keys (rows=False)")
-        return causal_weights(self.q[l][:, :, s:e], self.k[l][:, :, :e], s)
+        return causal_weights(self.q[l][:, :, s:e], self.k[l][:, :, :e], s)[0]
+
+    def held_mass(self, l: int, t: int, pos: torch.Tensor) -> torch.Tensor:
+        """[B, H]: query t's full-cache attention in layer l on the positions pos [B, Hkv, S] (-1 = empty):
+        exp(score - the query's log normaliser) summed over the held keys, each query head over its KV
+        head's positions."""
+        B, Hkv, S = pos.shape
+        k = self.k[l].gather(2, pos.clamp(min=0)[..., None].expand(B, Hkv, S, self.k[l].shape[-1]))
+        w = (scores(self.q[l][:, :, t : t + 1], k)[:, :, 0] - self.lse[l][:, :, t, None]).exp()  # [B, H, S]
+        held = (pos >= 0).repeat_interleave(w.shape[1] // Hkv, 1)
+        return (w * held).sum(-1)
+
+    def window_mass(self, l: int, s: int, e: int, window: tuple[int, int | None]) -> torch.Tensor:
+        """[B, H, e-s]: the full-cache attention of the queries s .. e-1 in layer l on the keys a static
+        window keeps (the first n_sink positions and the last `recent` before each query; all when recent
+        is None), from the keys it can reach alone."""
+        n_sink, recent = window
+        lo = 0 if recent is None else max(0, s - recent)
+        keys = torch.arange(lo, e, device=self.lse.device)
+        if n_sink and lo > 0:
+            keys = torch.cat([torch.arange(min(n_sink, lo), device=keys.device), keys])
+        qpos = torch.arange(s, e, device=keys.device)
+        visible = keys[None, :] <= qpos[:, None]
+        if recent is not None:
+            visible &= (keys[None, :] < n_sink) | (keys[None, :] >= qpos[:, None] - recent)
+        x = scores(self.q[l][:, :, s:e], self.k[l][:, :, keys]) - self.lse[l][:, :, s:e, None]
+        return x.exp_().masked_fill_(~visible, 0).sum(-1)
 
     def _chunk(self, l: int, t: int) -> tuple[int, torch.Tensor]:
         start = t - t % self.chunk
@@ -106,7 +142,7 @@ class FullAttention:
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """Everything this holds, by name (for eval/shared.py's store; `from_tensors` reads it back)."""
-        out = {"first": self.first, "sink": self.sink, "by_key_sum": self.by_key_sum}
+        out = {"first": self.first, "sink": self.sink, "by_key_sum": self.by_key_sum, "lse": self.lse}
         for l in range(len(self.q or [])):
             out[f"q{l}"], out[f"k{l}"] = self.q[l], self.k[l]
         return out
@@ -116,7 +152,7 @@ class FullAttention:
         L = t["first"].shape[0]
         q = [t[f"q{l}"] for l in range(L)] if "q0" in t else None
         k = [t[f"k{l}"] for l in range(L)] if "k0" in t else None
-        return cls(t["first"], t["sink"], t["by_key_sum"], q, k)
+        return cls(t["first"], t["sink"], t["by_key_sum"], t["lse"], q, k)
 
 
 @dataclass
@@ -156,19 +192,24 @@ class _ChunkedExplicit:
 
     def __init__(self, pos: torch.Tensor, L: int, rows: bool):
         self.pos, self.keep_rows, self.L = pos, rows, L
-        self.first, self.sink, self.by_key, self.q, self.k = [], [], [], [], []
+        self.first, self.sink, self.by_key, self.lse, self.q, self.k = [], [], [], [], [], []
 
     def __call__(self, l: int, a: CausalSelfAttention, h: torch.Tensor) -> torch.Tensor:
         q, k, v = a.project(h)
         q, k = a.rotate(q, self.pos), a.rotate(a.smear(k), self.pos)
         B, H, n, D = q.shape
         Hkv = k.shape[1]
-        first, sink, by_key = q.new_empty(B, H, n), q.new_empty(B, n), q.new_zeros(n)
+        first, sink, by_key, lse = (
+            q.new_empty(B, H, n),
+            q.new_empty(B, n),
+            q.new_zeros(n),
+            q.new_empty(B, H, n),
+        )
         y = q.new_empty(B, H, n, D)
         chunk = row_chunk(self.L, B, H, n)
         for s in range(0, n, chunk):
             e = min(n, s + chunk)
-            w = causal_weights(q[:, :, s:e], k[:, :, :e], s)  # [B, H, m, e]
+            w, lse[:, :, s:e] = causal_weights(q[:, :, s:e], k[:, :, :e], s)  # [B, H, m, e], [B, H, m]
             y[:, :, s:e] = (w.reshape(B, Hkv, -1, e) @ v[:, :, :e]).view(B, H, e - s, D)
             first[:, :, s:e] = w[..., 0]
             sink[:, s:e] = w[..., :N_SINK_DIAG].sum(-1).mean(1)
@@ -176,6 +217,7 @@ class _ChunkedExplicit:
         self.first.append(first)
         self.sink.append(sink)
         self.by_key.append(by_key)
+        self.lse.append(lse)
         if self.keep_rows:
             self.q.append(q)
             self.k.append(k)
@@ -184,7 +226,7 @@ class _ChunkedExplicit:
     def attention(self) -> FullAttention:
         rows = (self.q, self.k) if self.keep_rows else (None, None)
         first, sink, by_key = torch.stack(self.first), torch.stack(self.sink, -1), torch.stack(self.by_key)
-        return FullAttention(first, sink, by_key, *rows)
+        return FullAttention(first, sink, by_key, torch.stack(self.lse), *rows)
 
 
 @torch.no_grad()

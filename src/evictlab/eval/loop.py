@@ -101,17 +101,15 @@ class LostAttention:
     """Diagnostic: the full-cache attention that step t's query puts on entries the policy no longer holds
     (1 - the full-cache attention on the held positions, mean over heads), per step and layer [B, n, L]."""
 
-    def __init__(self, ref: FullReference, groups: int, B: int, n: int, L: int, like: torch.Tensor):
-        self.attention, self.groups = ref.attention, groups
+    def __init__(self, ref: FullReference, B: int, n: int, L: int, like: torch.Tensor):
+        self.attention = ref.attention
         self.covered = ref.attention.n  # steps the reference's attention covers (NaN after)
         self.values = like.new_full((B, n, L), float("nan"))
 
     def observe(self, l: int, t: int, pos: torch.Tensor) -> None:
         if t >= self.covered:
             return
-        full_row = self.attention.row(l, t)  # [B, H, > t]
-        held = gather_rows(full_row, pos.repeat_interleave(self.groups, 1)).sum(-1)  # [B, H]
-        self.values[:, t, l] = 1 - held.mean(1)
+        self.values[:, t, l] = 1 - self.attention.held_mass(l, t, pos).mean(1)
 
 
 class RopeTable:
@@ -216,7 +214,7 @@ class TokenLoop:
         self.like, self.rope = like, RopeTable(cfg, like, slots) if rope else None
         self.lost = None
         if ref is not None and ref.attention is not None and ref.attention.has_rows:
-            self.lost = LostAttention(ref, self.groups, B, n, cfg.n_layer, like)
+            self.lost = LostAttention(ref, B, n, cfg.n_layer, like)
         self.occupancy = torch.empty(n, cfg.n_layer, dtype=torch.long, device=doc.device)
         self.policy_seconds = 0.0
         self.compile_seconds = 0.0  # the first compiled step: tracing and code generation

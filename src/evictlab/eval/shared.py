@@ -31,7 +31,7 @@ from evictlab.eval.spec import StreamSpec
 from evictlab.models.gpt import GPT
 from evictlab.store import stable_hash, write_atomic
 
-STORE_FORMAT = 2  # 2: FullAttention's queries, keys and summaries (1 held the attention rows)
+STORE_FORMAT = 3  # 3: FullAttention with its log normalisers (2: without; 1 held the attention rows)
 MAX_BYTES = 8 << 30  # larger entries are computed by each run, not stored (log-probs: B x n x vocab floats)
 
 
@@ -91,7 +91,7 @@ class SharedReferences:
             return None
         names = {"logp"}
         if layers:
-            names |= {"first", "sink", "by_key_sum", *(f"{x}{l}" for l in range(layers) for x in "qk")}
+            names |= {"first", "sink", "by_key_sum", "lse", *(f"{x}{l}" for l in range(layers) for x in "qk")}
         if set(stored) != names or tuple(stored["logp"].shape[:2]) != shape:
             return None
-        return stored if all(torch.isfinite(v).all() for v in stored.values()) else None
+        return stored  # (written atomically: a file that loads is whole; no pass over its gigabytes)

@@ -129,17 +129,14 @@ class Recorder:
             self._write("lost", s, self.lost(s, c))
 
     def lost(self, s: int, c: int) -> torch.Tensor:
-        """[B, c-s, L]: the full-cache attention of steps s .. c-1 on keys outside each layer's window
-        (its rows recomputed a chunk of steps at a time)."""
-        attention, device = self.ref.attention, self.tgt.device
-        out = self.tgt.new_empty(self.tgt.shape[0], c - s, len(self.windows), dtype=attention.first.dtype)
+        """[B, c-s, L]: the full-cache attention of steps s .. c-1 on keys outside each layer's window (from
+        the keys the window holds alone, a chunk of steps at a time: eval/full.py `window_mass`)."""
+        attention = self.ref.attention
+        out = attention.lse.new_empty(self.tgt.shape[0], c - s, len(self.windows))
         for l, window in enumerate(self.windows):
             for a in range(s, c, attention.chunk):
                 b = min(c, a + attention.chunk)
-                keep = BandCache(*window).visible(
-                    torch.arange(a, b, device=device), torch.arange(b, device=device)
-                )
-                out[:, a - s : b - s, l] = 1 - (attention.rows(l, a, b) * keep).sum(-1).mean(1)
+                out[:, a - s : b - s, l] = 1 - attention.window_mass(l, a, b, window).mean(1)
         return out
 
 
