@@ -159,7 +159,7 @@ def test_corpus_too_small_writes_nothing(tmp_path: Path, outputs: Path):
     assert not (outputs / "cache").exists() or not any((outputs / "cache").rglob("*.npz"))
 
 
-def test_man_pages_are_read_where_they_stand_as_text(tmp_path):
+def test_man_pages_are_read_where_they_stand_as_text(tmp_path, monkeypatch):
     import gzip
 
     from evictlab.data.corpora import _man_pages, troff_to_text
@@ -179,6 +179,18 @@ def test_man_pages_are_read_where_they_stand_as_text(tmp_path):
     assert [d.id for d in docs] == ["man1/ls.1.gz"] and "list directory contents" in docs[0].text
     with pytest.raises(DataError, match="no manual pages under"):
         _man_pages(str(tmp_path / "nowhere"))
+    # cached: parsed once, read back equal; a changed page (size, mtime) is parsed again
+    cache = tmp_path / "cache"
+    assert _man_pages(str(tmp_path), cache) == docs and len(list(cache.glob("man_pages-*.parquet"))) == 1
+    import evictlab.data.corpora as corpora
+
+    with monkeypatch.context() as m:
+        m.setattr(corpora, "_parse_man_pages", lambda *_: pytest.fail("parsed again"))
+        assert _man_pages(str(tmp_path), cache) == docs
+    with gzip.open(tmp_path / "man1" / "ls.1.gz", "wt") as f:
+        f.write(page + "extra line\n")
+    again = _man_pages(str(tmp_path), cache)
+    assert "extra line" in again[0].text and len(list(cache.glob("man_pages-*.parquet"))) == 2
 
 
 def test_exclude_drops_documents_by_id_pattern_and_stays_out_of_keys(tmp_path: Path):

@@ -115,7 +115,7 @@ def load_corpus(
     `min_tokens`: the train and val splits must each hold at least this many tokens (one sequence);
     checked before anything is written for a new corpus.
     """
-    docs = load_documents(data_cfg)
+    docs = load_documents(data_cfg, outputs / "cache" / "documents")
     by_split = split_documents(docs, data_cfg)
     n_bytes = {s: sum(len(d.text.encode("utf-8")) for d in ds) for s, ds in by_split.items()}
     # Tokens never outnumber bytes, so a corpus too small in bytes fails before a tokenizer is trained.
