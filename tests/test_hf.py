@@ -72,18 +72,24 @@ def test_full_forward_matches_transformers(saved):
     assert (ours - theirs).abs().max().item() <= 1e-4
 
 
+@torch.no_grad()
+def transformers_decoding_nll(hf, tokens: torch.Tensor) -> torch.Tensor:
+    """[T - 1]: the NLL of each next token of tokens [1, T] under transformers' own KV-cache decoding,
+    one token per step."""
+    nll, past = [], None
+    for t in range(tokens.shape[1] - 1):
+        res = hf(tokens[:, t : t + 1], cache=past, use_cache=True)  # transformers 5: `cache`
+        past = res.cache
+        nll.append(-torch.log_softmax(res.logits[0, -1].float(), -1)[tokens[0, t + 1]])
+    return torch.stack(nll)
+
+
 def test_streaming_full_cache_matches_transformers_decoding(saved):
     kind, hf, path = saved
     model, _ = load_hf_model(str(path))
     tokens = torch.randint(0, V, (1, 33))
     out = stream(model, tokens, make_policy("full"), 32, StreamSpec(force_loop=True))
-    nll, past = [], None
-    with torch.no_grad():
-        for t in range(tokens.shape[1] - 1):
-            res = hf(tokens[:, t : t + 1], cache=past, use_cache=True)  # transformers 5: `cache`
-            past = res.cache
-            nll.append(-torch.log_softmax(res.logits[0, -1].float(), -1)[tokens[0, t + 1]])
-    assert (torch.stack(nll) - out.nll[0]).abs().max().item() <= 1e-4
+    assert (transformers_decoding_nll(hf, tokens) - out.nll[0]).abs().max().item() <= 1e-4
     if model.cfg.kv_heads != model.cfg.n_head:  # the cache holds KV heads, never repeated to query heads
         h2o = stream(model, tokens, make_policy("h2o"), 8)
         assert h2o.kept[0].shape[1] == model.cfg.kv_heads

@@ -41,8 +41,9 @@ def causal_weights(q: torch.Tensor, k: torch.Tensor, s: int) -> tuple[torch.Tens
 class FullAttention:
     """The full cache's attention, never held as L x [B, H, n, n] (a 30-layer model over 4,096 tokens
     would need 18 GB per stream): each layer's queries and keys as the full-cache forward rotated them,
-    from which rows are recomputed a chunk of queries at a time (one chunk kept per layer), and the
-    per-query summaries every run reads, computed once in the forward.
+    and the per-query summaries every run reads, computed once in the forward. Attention lost needs only
+    the held keys' scores and the log normaliser; the oracle's future attention is recomputed from the
+    rows a chunk of queries at a time (one chunk kept per layer).
 
     first [L, B, H, n]: attention on position 0; sink [B, n, L]: on the first N_SINK_DIAG positions, mean
     over heads; by_key_sum [L, n]: attention each key receives, summed over documents, heads and queries;
@@ -99,11 +100,6 @@ class FullAttention:
         if self._rows.get(l, (-1,))[0] != start:
             self._rows[l] = (start, self.rows(l, start, min(self.n, start + self.chunk)))
         return self._rows[l]
-
-    def row(self, l: int, t: int) -> torch.Tensor:
-        """[B, H, e]: query t's attention in layer l on keys 0 .. e-1 (e > t; zero after t)."""
-        start, rows = self._chunk(l, t)
-        return rows[:, :, t - start]
 
     def future(self, l: int, t: int) -> torch.Tensor:
         """[B, Hkv, n]: the attention key j receives from the queries after t in layer l, summed over the
