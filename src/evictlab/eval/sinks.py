@@ -30,9 +30,8 @@ from evictlab.eval.full import attention_summary
 from evictlab.models.gpt import GPT
 from evictlab.store import stable_hash, write_json
 
-SINK_FORMAT = (
-    2  # (2: the share at three thresholds) bump when the metrics' definition changes (part of the cache key)
-)
+# part of the cached metrics' key: bump when their definition changes (2: the share at three thresholds)
+SINK_FORMAT = 2
 
 SINK_THRESHOLD = 0.3  # Gu et al.'s epsilon
 SINK_THRESHOLDS = (0.1, 0.2, 0.3)  # also reported (`sink_head_fraction_eps<100 x epsilon>`)

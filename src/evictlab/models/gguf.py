@@ -251,7 +251,14 @@ def tokenizer_json(reader) -> tuple[str, int]:
     return tok.to_str(), int(bos)
 
 
-QUANT_NAMES = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 7: "Q8_0", 15: "Q4_K_M", 17: "Q5_K_M", 18: "Q6_K"}
+def quant_name(ftype: int | None) -> str:
+    """The file type's name as the gguf library spells it, without its ALL_/MOSTLY_ prefix (Q4_1, F32)."""
+    from gguf import LlamaFileType
+
+    try:
+        return LlamaFileType(ftype).name.removeprefix("MOSTLY_").removeprefix("ALL_")
+    except ValueError:
+        return f"file_type {ftype}"
 
 
 def read_contents(file: GGUFFile) -> GGUFContents:
@@ -261,8 +268,7 @@ def read_contents(file: GGUFFile) -> GGUFContents:
     tok, bos = tokenizer_json(reader)
     label = file.label
     if label is None:
-        ftype = _field(reader, "general.file_type")
-        quant = QUANT_NAMES.get(ftype, f"file_type {ftype}")
+        quant = quant_name(_field(reader, "general.file_type"))
         label = f"{_field(reader, 'general.name', file.path.stem)} ({quant} GGUF, dequantised)"
     return GGUFContents(cfg, hf_state_dict(reader, cfg), tok, bos, label)
 
