@@ -5,7 +5,7 @@
 
 Arguments after the options are Hydra overrides of conf/ (model, train, dataset ...), as for `python -m
 evictlab.train`. The model trains with `train.optimize` on `WindowSampler.for_training`, as `train_model`
-does (one thread unless train.threads says otherwise), but is not cached. Every `--every` steps it prints
+does (at train.threads threads), but is not cached. Every `--every` steps it prints
 one JSON line: validation loss (nats/token), induction (mean NLL on the second copy of 40 random printable
 characters repeated once, against the first copy's: a copying model drives `ind2` far below `ind1`),
 pass-key recall exact matches (teacher-forced, full cache, 6 streams per depth 0.1/0.5/0.9 of train.seq_len
@@ -87,7 +87,7 @@ def main() -> None:
     args = ap.parse_args()
     cfg = to_objects(compose(["logger=none", *args.overrides]))
     tc, mc = cfg.train, cfg.model
-    set_threads(tc.threads or 1)
+    set_threads(tc.threads)
     corpus = load_corpus(cfg.dataset, cfg.tokenizer, cfg.outputs, min_tokens=tc.seq_len + 1)
     mc.vocab_size = corpus.tokenizer.vocab_size
     torch.manual_seed(tc.seed)

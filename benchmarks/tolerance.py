@@ -1,12 +1,13 @@
-"""How far two settings that are in no key move the numbers (issue 14: a key says what it can promise).
+"""How far two settings that reorder floating-point reductions move the numbers (issue 14).
 
     python benchmarks/tolerance.py
 
-`train.threads` and `eval.batch_size` are KEYLESS (config.py): they cannot change what a run means, but
-they change the order of floating-point reductions. This trains gpt_small for 100 steps (train=short
-with steps=100) once with 1 thread and once with 2, each into its own outputs folder, and evaluates both
-on the same 8 streams of 512 tokens (full cache and h2o at budget 64) with eval batch sizes 1 and 16.
-Prints the largest per-token |dNLL| and the |d mean NLL| of each pair.
+`eval.batch_size` is KEYLESS (config.py): it cannot change what a run means, but it changes the order of
+floating-point reductions; `train.threads` does too, and since it changes the weights' bits it is in the
+checkpoint key (two counts are two checkpoints): this measures how far apart those two land. It trains
+gpt_small for 100 steps (train=short with steps=100) once with 1 thread and once with 2, each into its own
+outputs folder, and evaluates both on the same 8 streams of 512 tokens (full cache and h2o at budget 64)
+with eval batch sizes 1 and 16. Prints the largest per-token |dNLL| and the |d mean NLL| of each pair.
 """
 
 from __future__ import annotations

@@ -56,7 +56,10 @@ def test_run_writes_its_files_and_resumes(outputs: Path):
     assert len(attn) == 2 * 95 and attn["layer"].nunique() == 2  # gpt_tiny: 2 layers x 95 key positions
     assert (attn["attention"] > 0).all() and attn.loc[attn["key_position"] == 94, "attention"].notna().all()
     info = json.loads((d / "run_info.json").read_text())
-    assert {"git", "packages", "host", "slurm_job_id"} <= set(info)
+    assert {"git", "packages", "host", "slurm_job_id", "torch", "cpu_capability", "python"} <= set(info)
+    assert info["torch_threads"] == cfg.eval.threads  # the count the run used, not the process default
+    ck_meta = json.loads((outputs / "checkpoints" / metrics["checkpoint"] / "meta.json").read_text())
+    assert metrics["weights_sha256"] == ck_meta["weights_sha256"]  # the run names the weights it measured
     # every key a run emits is documented in docs/results.md
     doc = (REPO_ROOT / "docs" / "results.md").read_text()
     layers = pd.read_parquet(d / "layers.parquet")
@@ -324,6 +327,53 @@ def test_a_finished_run_with_damaged_files_is_listed_then_redone(outputs: Path, 
     again = run_mod.run(cfg)  # redone in place, same key
     assert not again.get("skipped") and run_mod.is_done(d) and again["run_key"] == run_mod.run_key(cfg)
     assert aggregate([d.parent])["failures"].empty
+
+
+def test_a_run_of_weights_since_replaced_is_redone_and_aggregation_refuses_a_mix(outputs: Path, capsys):
+    import shutil
+
+    import torch
+
+    from evictlab.analysis.aggregate import aggregate
+    from evictlab.analysis.aggregate import main as aggregate_main
+    from evictlab.errors import ConfigError
+    from evictlab.store import read_json, write_json
+    from evictlab.train import load_checkpoint, save_checkpoint
+
+    cfg = cfg_for(outputs, "strategy=window", "budget=b16", "logger=none")
+    first = run_mod.run(cfg)
+    d = run_mod.run_dir(cfg)
+    # a copy of the finished run under another key: the old weights' record, as a stale run would be
+    stale = d.parent / f"window-b16-{'0' * 16}"
+    shutil.copytree(d, stale)
+    # the checkpoint is replaced under the same name (as a retraining under an unchanged key would)
+    ck = outputs / "checkpoints" / first["checkpoint"]
+    model, meta = load_checkpoint(ck)
+    with torch.no_grad():
+        model.wte.weight.mul_(1.01)
+    save_checkpoint(ck, model, {k: v for k, v in meta.items() if k != "weights_sha256"})
+    new_hash = read_json(ck / "meta.json")["weights_sha256"]
+    assert new_hash != first["weights_sha256"] and not run_mod.is_done(d)
+    again = run_mod.run(cfg)  # redone in place, and it names the new weights
+    assert not again.get("skipped") and again["weights_sha256"] == new_hash and run_mod.is_done(d)
+    with pytest.raises(ConfigError, match=r"stands for 2 sets of weights"):
+        aggregate([d.parent])
+    assert aggregate_main([str(d.parent)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: checkpoint ") and len(err.strip().splitlines()) == 1
+    shutil.rmtree(stale)
+    assert aggregate_main([str(d.parent)]) == 0
+    out = capsys.readouterr().out
+    assert f"gpt_tiny ({first['checkpoint']}) on " in out and "warning" not in out
+    # a sweep that mixes models says so (the runs' metrics as another model's would be)
+    other = d.parent / f"window-b16-{'1' * 16}"
+    shutil.copytree(d, other)
+    m = read_json(other / "metrics.json")
+    write_json(other / "metrics.json", m | {"run_key": "1" * 16, "model": "gpt_other", "checkpoint": "x"})
+    assert aggregate_main([str(d.parent)]) == 0
+    assert "warning: this sweep mixes models (gpt_other, gpt_tiny)" in capsys.readouterr().out.replace(
+        "(gpt_tiny, gpt_other)", "(gpt_other, gpt_tiny)"
+    )
 
 
 @pytest.mark.slow

@@ -71,7 +71,7 @@ def test_second_request_is_a_cache_hit(tiny_checkpoint, session_outputs: Path, m
     assert again.cached and again.path == tiny_checkpoint.path
     assert again.meta["weights_sha256"] == tiny_checkpoint.meta["weights_sha256"]
     # Settings that cannot change the weights share the checkpoint; ones that can, do not.
-    assert get_checkpoint(make_cfg(session_outputs, "train.threads=1", "train.eval_interval=7")).cached
+    assert get_checkpoint(make_cfg(session_outputs, "train.eval_interval=7")).cached
     assert make_cfg(session_outputs, "train.lr=0.001").train.lr == 0.001
     from evictlab.train import checkpoint_key
 
@@ -79,6 +79,68 @@ def test_second_request_is_a_cache_hit(tiny_checkpoint, session_outputs: Path, m
         *[getattr(make_cfg(session_outputs), k) for k in ("dataset", "tokenizer", "outputs")]
     )
     assert checkpoint_key(make_cfg(session_outputs, "train.lr=0.001"), corpus) != tiny_checkpoint.meta["key"]
+
+
+def test_one_key_one_set_of_bits_whichever_way_training_is_launched(outputs: Path):
+    """python -m evictlab.train under any OMP/MKL setting (how joblib, submitit and SLURM workers start it)
+    and an in-process call after something set another thread count (an earlier run's eval.threads) train
+    the same bits under one key; the thread count is in the key, and the caller's count is restored."""
+    import os
+
+    from evictlab.store import file_sha256
+
+    args = [*TINY, "train.steps=30", "train.warmup_steps=5"]
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        in_process = get_checkpoint(make_cfg(outputs / "in_process", *args[len(TINY) :]))
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+    paths = [in_process.path]
+    for n in (1, 3):
+        env = {k: v for k, v in os.environ.items() if not k.startswith("HYDRA_")}
+        env |= {
+            "EVICTLAB_OUTPUTS": str(outputs / f"env{n}"),
+            "OMP_NUM_THREADS": str(n),
+            "MKL_NUM_THREADS": str(n),
+        }
+        res = subprocess.run(
+            [sys.executable, "-m", "evictlab.train", *args],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert res.returncode == 0, res.stdout + res.stderr
+        (found,) = (outputs / f"env{n}" / "checkpoints").glob("gpt_tiny-*/model.safetensors")
+        paths.append(found.parent)
+    assert len({p.name for p in paths}) == 1  # one key
+    assert len({file_sha256(p / "model.safetensors") for p in paths}) == 1  # one set of bits
+    assert in_process.meta["build"]["torch_threads"] == 2 == make_cfg(outputs).train.threads
+    assert {"torch", "cpu_capability", "python"} <= set(in_process.meta["build"])
+    # another count is another key (and, for this model, other bits: the count matters)
+    one = get_checkpoint(make_cfg(outputs / "in_process", *args[len(TINY) :], "train.threads=1"))
+    assert one.path.name != in_process.path.name
+    assert one.meta["weights_sha256"] != in_process.meta["weights_sha256"]
+
+
+def test_a_checkpoint_from_another_torch_build_warns_in_one_line(
+    tiny_checkpoint, session_outputs: Path, caplog
+):
+    from evictlab.store import read_json, write_json
+
+    meta_path = tiny_checkpoint.path / "meta.json"
+    meta = read_json(meta_path)
+    try:
+        write_json(meta_path, meta | {"build": meta["build"] | {"cpu_capability": "NEON", "torch": "1.0"}})
+        with caplog.at_level("WARNING"):
+            again = get_checkpoint(make_cfg(session_outputs))
+        assert again.cached
+        (line,) = [r.getMessage() for r in caplog.records if "was made under" in r.getMessage()]
+        assert "cpu_capability NEON" in line and "torch 1.0" in line and "\n" not in line
+    finally:
+        write_json(meta_path, meta)
 
 
 def test_corrupt_checkpoint_is_retrained_with_a_warning(outputs: Path, caplog):

@@ -87,7 +87,9 @@ class TrainConfig:
     eval_interval: int = field(default=100, metadata=NOT_WEIGHTS)  # steps between validation losses
     eval_batches: int = field(default=8, metadata=NOT_WEIGHTS)
     seed: int = 0
-    threads: int = field(default=0, metadata=KEYLESS)  # torch intra-op threads; 0 = torch's default
+    # torch intra-op threads while training: the CPU kernels reduce in a thread-dependent order, so the
+    # count changes the weights' bits and is in the checkpoint key (the caller's setting is restored after)
+    threads: int = 2
     device: str = field(default="cpu", metadata=KEYLESS)
     progress: bool = field(default=True, metadata=KEYLESS)  # tqdm bar
     recall_share: float = 0.0  # share of training samples replaced by pass-key documents (data/recall.py)
@@ -128,8 +130,11 @@ class TrainConfig:
         for key in ("beta1", "beta2"):
             if not 0 <= getattr(self, key) < 1:
                 raise ConfigError(f"train.{key}={getattr(self, key)} must be in [0, 1)")
-        if self.threads < 0:
-            raise ConfigError(f"train.threads={self.threads} must be >= 0")
+        if self.threads < 1:
+            raise ConfigError(
+                f"train.threads={self.threads} must be >= 1: the thread count changes the trained weights, "
+                "so training runs at an explicit one"
+            )
         check_seed("train.seed", self.seed)
 
 

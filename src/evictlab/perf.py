@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import os
+import platform
 import resource
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -16,6 +19,29 @@ def set_threads(threads: int) -> int:
     if threads > 0:
         torch.set_num_threads(threads)
     return torch.get_num_threads()
+
+
+@contextmanager
+def pinned_threads(threads: int) -> Iterator[int]:
+    """Run a block at exactly `threads` torch intra-op threads (whatever OMP_NUM_THREADS, MKL_NUM_THREADS or
+    an earlier set_num_threads said), then restore the caller's count."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        yield torch.get_num_threads()
+    finally:
+        torch.set_num_threads(before)
+
+
+def build_info() -> dict[str, str | int]:
+    """What besides the settings decides a CPU computation's bits: torch build, its kernels' CPU capability
+    (the instruction set it dispatched to), Python, and the threads in force."""
+    return {
+        "torch": torch.__version__,
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "python": platform.python_version(),
+        "torch_threads": torch.get_num_threads(),
+    }
 
 
 def matmul_flops_per_s(n: int = 1024, seconds: float = 0.5, dtype: torch.dtype = torch.float32) -> float:

@@ -11,7 +11,8 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-RUN_FORMAT = 3  # the layout of a run folder; a finished run of an older format is redone in place
+RUN_FORMAT = 4  # the layout of a run folder; a finished run of an older format is redone in place
+# 4: metrics name the weights they measured (weights_sha256)
 # 3: per-layer / per-head values in layers.parquet (not `name[i]` metrics); policy facts as identity columns
 KEY_VERSION = 2  # hashed into run keys: bumped only when the same config would produce other numbers
 
@@ -73,6 +74,7 @@ ID_COLUMNS = [
     "seed",
     "variant",
     "checkpoint",
+    "weights_sha256",  # sha256 of the checkpoint's model.safetensors: which weights the numbers are of
     "model",
     "dataset",
     "path",

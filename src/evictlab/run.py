@@ -40,7 +40,7 @@ from evictlab.eval.shared import SharedReferences
 from evictlab.eval.sinks import PRETRAINED_CONTEXT, cached_sink_metrics
 from evictlab.eval.spec import check_positions
 from evictlab.models.gpt import GPT
-from evictlab.perf import set_threads
+from evictlab.perf import build_info, set_threads
 from evictlab.store import git_info, package_versions, read_json, stable_hash, write_atomic, write_json
 from evictlab.train import Checkpoint, get_checkpoint
 
@@ -61,8 +61,9 @@ def run_dir(cfg: Config, key: str | None = None) -> Path:
 
 
 def is_done(path: Path) -> bool:
-    """A finished run of the current format whose result files are sound (an older format's run, or one
-    with a damaged or missing file, is redone in place)."""
+    """A finished run of the current format whose result files are sound and whose weights are the ones its
+    checkpoint holds now (an older format's run, one with a damaged or missing file, or one of weights that
+    were since replaced under its checkpoint's name, is redone in place)."""
     try:
         m = read_json(path / R.METRICS)
     except (OSError, ValueError):
@@ -72,7 +73,26 @@ def is_done(path: Path) -> bool:
     if (why := R.unreadable(path)) is not None:
         log.warning("redoing %s: %s", path, why)
         return False
+    checkpoints = path.parents[2] / "checkpoints"  # path = <outputs>/runs/<group>/<run>
+    now = checkpoint_weights(checkpoints / str(m.get("checkpoint")))
+    if now is not None and now != m.get("weights_sha256"):
+        log.warning(
+            "redoing %s: its checkpoint %s now holds other weights (sha256 %s..., the run measured %s...)",
+            path,
+            m.get("checkpoint"),
+            now[:12],
+            str(m.get("weights_sha256"))[:12],
+        )
+        return False
     return True
+
+
+def checkpoint_weights(folder: Path) -> str | None:
+    """The weights hash a cached checkpoint folder records, or None when there is none to compare with."""
+    try:
+        return read_json(folder / "meta.json").get("weights_sha256")
+    except (OSError, ValueError, AttributeError):
+        return None
 
 
 def seed_everything(seed: int) -> None:
@@ -97,7 +117,7 @@ def run_info(cfg: Config) -> dict[str, Any]:
         "slurm_array_task_id": os.environ.get("SLURM_ARRAY_TASK_ID"),
         "hydra_job": job,
         "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "torch_threads": torch.get_num_threads(),
+        **build_info(),  # torch_threads: eval.threads, applied before this is written
         "device": cfg.eval.device,
     }
 
@@ -117,6 +137,7 @@ def run(cfg: Config) -> dict[str, Any]:
 
         yaml = OmegaConf.to_yaml(OmegaConf.structured(cfg))
         write_atomic(out / R.CONFIG, lambda p: p.write_text(yaml))
+        set_threads(cfg.eval.threads)
         write_json(out / R.RUN_INFO, run_info(cfg))
         start = time.perf_counter()
         try:
@@ -278,6 +299,7 @@ class RunStages:
             "seed": cfg.seed,
             "variant": cfg.variant,
             "checkpoint": ck.path.name,
+            "weights_sha256": ck.meta.get("weights_sha256"),
             "train_wall_s": ck.meta.get("wall_s"),
             "checkpoint_val_bpb": ck.meta.get("val_bpb"),
         }

@@ -32,7 +32,7 @@ from evictlab.errors import ConfigError, DivergedError
 from evictlab.eval.sinks import sink_metrics
 from evictlab.models.gguf import is_gguf
 from evictlab.models.gpt import GPT, GPTConfig
-from evictlab.perf import matmul_flops_per_s, set_threads
+from evictlab.perf import build_info, matmul_flops_per_s, pinned_threads
 from evictlab.store import (
     file_sha256,
     git_info,
@@ -44,7 +44,8 @@ from evictlab.store import (
 )
 
 log = logging.getLogger(__name__)
-CHECKPOINT_FORMAT = 1  # bump when training semantics or the file layout change
+CHECKPOINT_FORMAT = 2  # bump when training semantics or the file layout change
+# 2: training at an explicit thread count (train.threads, in the key); format 1 keys mixed thread counts
 
 
 @dataclass
@@ -279,9 +280,14 @@ def training_record(model: GPT, corpus: Corpus, tc: TrainConfig, losses: tuple[f
 
 
 def train_model(cfg: Config, corpus: Corpus) -> tuple[GPT, dict[str, Any]]:
-    """Train from scratch with the config's seed; returns the model and its training record."""
+    """Train from scratch with the config's seed at exactly train.threads threads (restored after); returns
+    the model and its training record."""
+    with pinned_threads(cfg.train.threads):
+        return _train_model(cfg, corpus)
+
+
+def _train_model(cfg: Config, corpus: Corpus) -> tuple[GPT, dict[str, Any]]:
     tc, mc = cfg.train, cfg.model
-    threads = set_threads(tc.threads)
     device = torch.device(tc.device)
     torch.manual_seed(tc.seed)
     model = GPT(mc).to(device)
@@ -296,7 +302,7 @@ def train_model(cfg: Config, corpus: Corpus) -> tuple[GPT, dict[str, Any]]:
     history = optimize(model, tc, train_s, val_batches, mc.name)
     wall = time.perf_counter() - start
     losses = mean_loss(model, train_batches), mean_loss(model, val_batches)
-    record = training_record(model, corpus, tc, losses, wall) | {"threads": threads, "history": history}
+    record = training_record(model, corpus, tc, losses, wall) | {"build": build_info(), "history": history}
     return model, record
 
 
@@ -359,6 +365,23 @@ def check_settings(meta: dict[str, Any], cfg: Config, key: str) -> None:
             raise ValueError(f"checkpoint meta.json records {name}={have!r}, but {want!r} was asked for")
 
 
+def warn_if_other_build(path: Path, meta: dict[str, Any]) -> None:
+    """One warning line when a checkpoint was made under another torch build or CPU capability: its weights
+    are what they are, but training again here would not give the same bits."""
+    made, here = meta.get("build") or {}, build_info()
+    differ = [
+        f"{k} {made[k]} (here {here[k]})"
+        for k in ("torch", "cpu_capability")
+        if made.get(k, here[k]) != here[k]
+    ]
+    if differ:
+        log.warning(
+            "checkpoint %s was made under %s: retraining it here would not give the same bits",
+            path.name,
+            ", ".join(differ),
+        )
+
+
 def save_checkpoint(dest: Path, model: GPT, meta: dict[str, Any]) -> None:
     """Write into a temp folder beside dest, then rename it into place (readers never see half)."""
     tmp = dest.parent / f".{dest.name}.tmp-{uuid.uuid4().hex[:8]}"
@@ -391,6 +414,7 @@ def cached_checkpoint(
         try:
             model, meta = load_checkpoint(dest)
             check(meta)
+            warn_if_other_build(dest, meta)
             return Checkpoint(dest, model, meta, cached=True)
         except ValueError as e:
             log.warning("%s; %s", e, remake)
@@ -477,6 +501,7 @@ def gguf_checkpoint(cfg: Config) -> Checkpoint:
             "model": to_jsonable(model_cfg),
             "hf_config": contents.config,
             **gguf.describe(file),
+            "build": build_info(),
             "params": model.num_params(),
             "val_bpb": None,
             "convert_s": time.perf_counter() - start,
@@ -495,6 +520,7 @@ def pretrained(cfg: Config) -> Checkpoint:
     from evictlab.models.hf import load_hf_model
 
     model, info = load_hf_model(cfg.model.name_or_path, cfg.model.dtype)
+    weights = Path(info["path"]) / "model.safetensors"  # (a sharded checkpoint has no single hash: None)
     meta = {
         "key": stable_hash(
             {"hf": cfg.model.name_or_path, "dtype": cfg.model.dtype, "format": CHECKPOINT_FORMAT}
@@ -502,6 +528,7 @@ def pretrained(cfg: Config) -> Checkpoint:
         "source": "hf",
         "model": to_jsonable(model.cfg),
         "model_type": info["model_type"],
+        "weights_sha256": file_sha256(weights) if weights.is_file() else None,
         "params": model.num_params(),
         "val_bpb": None,
     }

@@ -26,6 +26,7 @@ import pandas as pd
 import yaml
 
 from evictlab import results as R
+from evictlab.errors import ConfigError
 from evictlab.store import read_json, write_atomic
 
 
@@ -142,9 +143,53 @@ def aggregate(sweeps: list[Path], out: Path | None = None) -> dict[str, pd.DataF
     tables = {name: pd.DataFrame(r) for name, r in rows.items()}
     tables |= {name: pd.concat(f, ignore_index=True) if f else pd.DataFrame() for name, f in frames.items()}
     tables["failures"] = pd.DataFrame(failures, columns=R.FAILURE_COLUMNS)
+    check_weights(tables["results"])
     if out is not None:
         write_tables(out, tables)
     return tables
+
+
+def check_weights(results: pd.DataFrame) -> None:
+    """Refuse (ConfigError, one line) a sweep where one checkpoint name stands for two sets of weights: its
+    runs would be compared as if they measured one model."""
+    if results.empty or "weights_sha256" not in results:
+        return
+    runs = results.drop_duplicates("run_dir").dropna(subset=["weights_sha256"])
+    hashes = runs.groupby("checkpoint")["weights_sha256"].unique()
+    for name, found in hashes.items():
+        if len(found) > 1:
+            shown = ", ".join(f"{h[:12]}... ({(runs['weights_sha256'] == h).sum()} runs)" for h in found)
+            raise ConfigError(
+                f"checkpoint {name} stands for {len(found)} sets of weights in these runs ({shown}): "
+                "the checkpoint was replaced after some runs finished; rerun the sweep (runs of the old "
+                "weights are redone) or remove their folders"
+            )
+
+
+def subjects(results: pd.DataFrame) -> pd.DataFrame:
+    """The models and datasets a sweep holds: one row per (model, checkpoint, dataset) with its run count."""
+    cols = [c for c in ("model", "checkpoint", "dataset") if c in results]
+    if results.empty or not cols:
+        return pd.DataFrame(columns=[*cols, "runs"])
+    runs = results.drop_duplicates("run_dir" if "run_dir" in results else "run_key")
+    return runs.groupby(cols, dropna=False).size().rename("runs").reset_index()
+
+
+def subject_lines(results: pd.DataFrame) -> list[str]:
+    """What a sweep measured, in words (model(s) and dataset(s)), with a warning line when it mixes them."""
+    s = subjects(results)
+    if s.empty:
+        return []
+    lines = [
+        f"{r['model']} ({r['checkpoint']}) on {r['dataset']}: {r['runs']} run(s)" for _, r in s.iterrows()
+    ]
+    for col in ("model", "dataset"):
+        if col in s and s[col].nunique() > 1:
+            names = ", ".join(map(str, s[col].unique()))
+            lines.append(
+                f"warning: this sweep mixes {col}s ({names}): compare its runs within one {col} only"
+            )
+    return lines
 
 
 def write_tables(out: Path, tables: dict[str, pd.DataFrame]) -> None:
@@ -181,9 +226,15 @@ def main(argv: list[str] | None = None) -> int:
     if not check_folders(args.sweeps):
         return 2
     out = args.out or args.sweeps[0]
-    t = aggregate(args.sweeps, out)
+    try:
+        t = aggregate(args.sweeps, out)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     n_runs = t["results"]["run_key"].nunique() if not t["results"].empty else 0
     print(f"{n_runs} ok run(s), {len(t['failures'])} failed or unfinished -> {out}/results.parquet")
+    for line in subject_lines(t["results"]):
+        print(line)
     if len(t["failures"]):
         print(t["failures"][["status", "strategy", "budget_name", "seed", "error"]].to_string(index=False))
     return 0

@@ -25,7 +25,7 @@ from matplotlib.figure import Figure
 
 from evictlab import results as R
 from evictlab.analysis import figures as F
-from evictlab.analysis.aggregate import check_folders, run_dirs, wide
+from evictlab.analysis.aggregate import check_folders, run_dirs, subject_lines, wide
 from evictlab.store import git_info, outputs_dir, write_atomic
 
 
@@ -45,8 +45,9 @@ def headline_table(tables: dict[str, pd.DataFrame]) -> pd.DataFrame:
     streams, runs = tables["streams"], tables["runs"]
     P = F.Policies(streams)
     keys = ["strategy", "budget", "position_mode"]
-    if "variant" in streams and streams["variant"].nunique() > 1:
-        keys = ["variant", *keys]
+    for col in ("variant", "dataset", "model"):  # what a sweep varies besides the policy splits its rows
+        if col in streams and streams[col].nunique() > 1:
+            keys = [col, *keys]
     ppl = F.summarize_streams(streams, "nll", np.exp, keys)
     ppl["perplexity [95% CI]"] = [
         f"{p:.3f} [{lo:.3f}, {hi:.3f}]" for p, lo, hi in ppl[["point", "low", "high"]].values
@@ -114,12 +115,20 @@ def write_report(path: Path, tables: dict[str, pd.DataFrame], figs: dict[str, Fi
     parts = [
         f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>",
         "<style>body{font-family:sans-serif;max-width:1100px;margin:2em auto}table{border-collapse:collapse;"
-        "font-size:13px}td,th{border:1px solid #ccc;padding:3px 6px}img{max-width:100%}</style></head><body>",
+        "font-size:13px}td,th{border:1px solid #ccc;padding:3px 6px}img{max-width:100%}.warning{color:#b00}"
+        "</style></head><body>",
         f"<h1>{html.escape(title)}</h1>",
         f"<p>Generated {time.strftime('%Y-%m-%d %H:%M')} from commit <code>{g['commit']}</code>"
         f"{' (dirty)' if g['dirty'] else ''}. Runs: {tables['results']['run_key'].nunique()} ok, "
         f"{len(failures)} failed or unfinished.</p>",
     ]
+    items = [
+        f"<li class='warning'>{html.escape(line)}</li>"
+        if line.startswith("warning")
+        else f"<li>{html.escape(line)}</li>"
+        for line in subject_lines(tables["results"])
+    ]
+    parts.append("<h2>Models and datasets</h2><ul>" + "".join(items) + "</ul>")
     if len(failures):
         parts.append("<h2>Failed or unfinished runs</h2>" + failures.to_html(index=False))
     headline = headline_table(tables).to_html(index=False, float_format="%.4g")
