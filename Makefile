@@ -50,7 +50,7 @@ run: ## One run: make run ARGS="strategy=h2o budget=b128"
 	$(PY) -m evictlab.run $(ARGS)
 
 sweep: ## Train (cached), run experiment EXP through LAUNCHER (local|submitit_local|slurm), aggregate, report
-	@# locally, train first with every core (jobs then share the cached checkpoint); on a cluster the
+	@# locally, train first (at train.threads; jobs then share the cached checkpoint); on a cluster the
 	@# first job that needs a checkpoint trains it and the others wait on its file lock
 	if [ "$(LAUNCHER)" = local ]; then $(PY) -m evictlab.train +experiment=$(EXP) $(ARGS); fi
 	$(PY) -m evictlab.run -m +experiment=$(EXP) hydra/launcher=$(LAUNCHER) group=$(GROUP) $(ARGS)
