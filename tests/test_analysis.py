@@ -71,7 +71,17 @@ def test_aggregate_tidy_tables_and_failures(sweep: Path):
     assert len(w) == res["run_key"].nunique() and {"ppl", "kl_mean", "kv_bytes"} <= set(w)
     assert (t["streams"].groupby("run_key").size() == 2).all()
     c = t["curves"]
-    assert c["position"].min() >= 1 and c.groupby("run_key")["position_start"].is_monotonic_increasing.all()
+    by_stream = c.groupby(["run_key", "stream"])
+    assert c["position"].min() >= 1 and by_stream["position_start"].is_monotonic_increasing.all()
+    assert (c.groupby("run_key")["stream"].nunique() == 2).all()  # per stream: a figure can draw a band
+    # the mean over streams of each bucket's per-stream means is the bucket's mean (equal-length streams)
+    one = c[c["run_key"] == c["run_key"].iloc[0]]
+    pt = pd.read_parquet(
+        Path(res.loc[res["run_key"] == one["run_key"].iloc[0], "run_dir"].iloc[0]) / "per_token.parquet"
+    )
+    first = one[one["position_start"] == one["position_start"].max()]
+    tail = pt[pt["position"] >= first["position_start"].iloc[0]]
+    assert abs(first["nll"].mean() - tail["nll"].astype(float).mean()) < 1e-6  # (float32 per token)
 
 
 def test_bootstrap_ci_contains_the_point():
@@ -349,3 +359,38 @@ def test_sinks_vs_count_is_the_paired_ratio_per_count_bos_and_mode():
     assert F.FIGURES["sinks_vs_count"].applies(tables)
     assert not F.FIGURES["sinks_vs_count"].applies({"streams": streams, "results": results.iloc[:1]})
     plt.close("all")
+
+
+def test_nll_vs_position_draws_a_band_across_streams_and_the_reference_without_a_full_run():
+    rows = []
+    for strategy, shift in (("streaming_llm", 0.0), ("window", 1.0)):
+        for stream in range(3):
+            for position in (1.0, 10.0, 100.0, 1000.0):
+                full = 2.0 + 0.1 * stream if position < 500 else np.nan  # the reference stops at its cap
+                rows.append(
+                    {
+                        "strategy": strategy,
+                        "strategy_label": strategy,
+                        "strategy_order": int(shift),
+                        "evicts": True,
+                        "budget": 64,
+                        "position_mode": "cache",
+                        "stream_len": 1001,
+                        "stream": stream,
+                        "position": position,
+                        "nll": 2.5 + shift + 0.2 * stream,
+                        "nll_full": full,
+                    }
+                )
+    fig = F.nll_vs_position(pd.DataFrame(rows), budget=64, mode="cache", context=500, context_label="context")
+    ax = fig.axes[0]
+    labels = [line.get_label() for line in ax.get_lines()]
+    assert labels[0] == "full cache (reference)" and "context (500)" in labels
+    ref = ax.get_lines()[0]
+    assert list(ref.get_xdata()) == [1.0, 10.0, 100.0] and np.allclose(
+        ref.get_ydata(), 2.1
+    )  # mean of streams
+    bands = [c for c in ax.collections if c.get_paths()]
+    assert len(bands) == 3  # one per line: the reference and two policies
+    lo, hi = bands[1].get_paths()[0].vertices[:, 1].min(), bands[1].get_paths()[0].vertices[:, 1].max()
+    assert np.isclose(lo, 2.5) and np.isclose(hi, 2.9)  # streaming_llm: streams 0..2 span 2.5..2.9

@@ -5,7 +5,7 @@
 Writes into the (first) sweep dir, or --out (names and columns: evictlab/results.py, docs/results.md):
   results.parquet    one row per run x scalar metric, the run's config flattened into cfg.* columns
   streams.parquet    one row per run x stream: mean NLL (and KL, ...) of that stream (for bootstrap CIs)
-  curves.parquet     one row per run x position bucket (log-spaced): mean NLL / KL / attention lost
+  curves.parquet     one row per run x stream x position bucket (log-spaced): mean NLL / KL / attention lost
   layers.parquet     one row per run x layer (x head) x metric: budgets, attention lost, sink mass, ...
   attention.parquet  full-cache runs: mean attention by layer x key position (where the model attends)
   recall.parquet     eval.task=recall runs: one row per run x pass-key stream (depth, exact matches)
@@ -104,12 +104,12 @@ def metric_rows(ids: dict[str, Any], metrics: dict[str, Any]) -> list[dict[str, 
 
 
 def stream_and_curve_rows(base: dict[str, Any], pt: pd.DataFrame) -> tuple[list[dict], list[dict]]:
-    """Per-stream means and per log-spaced position bucket means of the per-token metrics."""
+    """Per-stream means, and per stream x log-spaced position bucket means, of the per-token metrics."""
     cols = [c for c in R.STREAM_COLUMNS if c in pt]
     s = pt.groupby("stream")[cols].mean().reset_index()
     edges = R.position_buckets(int(pt["position"].max()))
     pt = pt.assign(bucket=np.searchsorted(edges, pt["position"].to_numpy(), side="right") - 1)
-    c = pt.groupby("bucket")[cols].mean().reset_index()
+    c = pt.groupby(["stream", "bucket"])[cols].mean().reset_index()
     c["position"] = [float(np.sqrt(edges[b] * edges[min(b + 1, len(edges) - 1)])) for b in c["bucket"]]
     c["position_start"] = edges[c["bucket"]]
     return [base | r for r in s.to_dict("records")], [base | r for r in c.to_dict("records")]

@@ -201,10 +201,13 @@ def nll_vs_position(
     mode: str = "original",
     context: int | None = None,
     stream_len: int | None = None,
+    context_label: str = "training context",
 ) -> Figure:
     """Mean NLL by token position (log x) per policy at one budget: StreamingLLM's Figure 3. `context`: the
     model's training context, marked (past it the full cache attends beyond the positions it was
-    trained on); a line stops where its run's stream (or the full-cache reference's cap) ends.
+    trained on); a line stops where its run's stream (or the full-cache reference's cap) ends; a band spans
+    the streams (lowest to highest stream mean in each position bucket) where the curves keep them apart.
+    Without a full-cache run, the full cache is drawn from the runs' reference (`nll_full`).
     `stream_len`: only the runs of that stream length (a group can hold streams of several lengths)."""
     theme()
     P = Policies(curves)
@@ -212,15 +215,30 @@ def nll_vs_position(
     if stream_len is not None:
         at &= curves["stream_len"] == stream_len
     c = curves[(curves["position_mode"] == mode) & at]
-    c = c.groupby(["strategy", "position"], as_index=False)["nll"].mean()
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
-    for name in P.ordered(c["strategy"]):
-        g = c[c["strategy"] == name].sort_values("position")
-        ls = "--" if P.is_reference(name) else "-"
-        ax.plot(g["position"], g["nll"], color=P.color(name), label=P.label(name), ls=ls)
+    lines = [(name, c[c["strategy"] == name], "nll", P.label(name)) for name in P.ordered(c["strategy"])]
+    if (
+        not any(P.is_reference(name) for name in c["strategy"])
+        and "nll_full" in c
+        and c["nll_full"].notna().any()
+    ):
+        first = c[
+            c["strategy"] == P.ordered(c["strategy"])[0]
+        ]  # every run of these streams has this reference
+        lines.insert(0, ("full", first, "nll_full", "full cache (reference)"))
+    for name, g, col, label in lines:
+        g = g.dropna(subset=[col])
+        keys = ["position", "stream"] if "stream" in g else ["position"]
+        per_stream = g.groupby(keys, as_index=False)[col].mean()  # seeds and runs pooled
+        mean = per_stream.groupby("position")[col].agg(["mean", "min", "max"]).reset_index()
+        ls = "--" if P.is_reference(name) or col == "nll_full" else "-"
+        color = P.color(name) if col == "nll" else "0.2"
+        ax.plot(mean["position"], mean["mean"], color=color, label=label, ls=ls)
+        if "stream" in g and g["stream"].nunique() > 1:
+            ax.fill_between(mean["position"], mean["min"], mean["max"], color=color, alpha=0.15, lw=0)
     ax.axvline(budget, color="0.5", lw=0.8, ls=":")
     if context is not None:
-        ax.axvline(context, color="k", lw=1.0, ls="-.", label=f"training context ({context})")
+        ax.axvline(context, color="k", lw=1.0, ls="-.", label=f"{context_label} ({context:,})")
     ax.set_xscale("log")
     title = f"NLL by position, budget {budget} ({mode} positions)"
     return _finish(fig, ax, "token position in the stream", "NLL [nats]", title)
