@@ -84,6 +84,20 @@ def test_aggregate_tidy_tables_and_failures(sweep: Path):
     assert abs(first["nll"].mean() - tail["nll"].astype(float).mean()) < 1e-6  # (float32 per token)
 
 
+def test_a_run_of_an_earlier_format_with_the_same_meaning_is_read(sweep: Path, tmp_path: Path):
+    import shutil
+
+    ok = next(p.parent for p in sweep.rglob("metrics.json") if json.loads(p.read_text())["status"] == "ok")
+    group = tmp_path / "outputs" / "runs" / "g"
+    old = shutil.copytree(ok, group / ok.name)
+    m = json.loads((old / "metrics.json").read_text())
+    m.pop("weights_sha256")
+    (old / "metrics.json").write_text(json.dumps(m | {"run_format": 3}))  # 3: before weights_sha256
+    t = aggregate([group])
+    assert t["failures"].empty and t["results"]["run_key"].nunique() == 1
+    assert t["results"]["weights_sha256"].isna().all()
+
+
 def test_bootstrap_ci_contains_the_point():
     rng = np.random.default_rng(0)
     for n in (2, 5, 40):

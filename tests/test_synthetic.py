@@ -125,6 +125,32 @@ def test_sink_metrics_follow_gu_et_al(monkeypatch, corpus):
     np.testing.assert_allclose(a.to_numpy(), alpha.numpy(), rtol=1e-6)
 
 
+def test_cached_sink_metrics_are_measured_again_for_streams_without_bos(monkeypatch, corpus, tmp_path):
+    """Without <bos> position 0 is the first text token: the subject's sink metrics differ, so a cached
+    measurement with <bos> must not be read for it (smollm2_sinks once got the <bos> values for both)."""
+    import dataclasses
+
+    starts = []
+
+    def fake(model, tokens):  # records what position 0 holds; "attends" to it fully iff it is <bos>
+        starts.append(int(tokens[0, 0]))
+        B, n = tokens.shape[0], tokens.shape[1] - 1
+        on_bos = (tokens[:, 0] == corpus.tokenizer.bos_id).float()
+        return on_bos[None, :, None, None].expand(2, B, 2, n).clone()  # [L, B, H, n]
+
+    monkeypatch.setattr(sinks, "_first_position_attention", fake)
+    model = torch.nn.Embedding(4, 2)
+    model.wte = model  # cached_sink_metrics reads the weights' dtype and device from model.wte
+    no_bos = dataclasses.replace(corpus, bos=False)
+    args = ("ck:abc", model)
+    with_bos, _ = sinks.cached_sink_metrics(tmp_path, *args, corpus, 64, False, "test")
+    again, _ = sinks.cached_sink_metrics(tmp_path, *args, corpus, 64, False, "test")
+    without, _ = sinks.cached_sink_metrics(tmp_path, *args, no_bos, 64, False, "test")
+    assert with_bos == again and len(starts) == 4  # measured once (two passes), then read
+    assert with_bos["sink_head_fraction"] == 1.0 and without["sink_head_fraction"] == 0.0
+    assert len(list(tmp_path.glob("*.json"))) == 2
+
+
 def test_runs_and_checkpoints_record_the_sink_metrics(tiny_checkpoint, tmp_path):
     from evictlab import run as run_mod
     from tests.test_pipeline import cfg_for

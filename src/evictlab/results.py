@@ -13,6 +13,9 @@ import pandas as pd
 
 RUN_FORMAT = 4  # the layout of a run folder; a finished run of an older format is redone in place
 # 4: metrics name the weights they measured (weights_sha256)
+# the formats aggregation reads: the same files with the same meaning (3 lacks weights_sha256 only); an
+# older one is listed as stale
+SAME_MEANING = (3, 4)
 # 3: per-layer / per-head values in layers.parquet (not `name[i]` metrics); policy facts as identity columns
 KEY_VERSION = 2  # hashed into run keys: bumped only when the same config would produce other numbers
 

@@ -55,7 +55,8 @@ def run_dirs(sweeps: list[Path]) -> list[Path]:
 
 def load_run(d: Path) -> tuple[dict[str, Any] | None, dict[str, Any], pd.DataFrame | None]:
     """(metrics, flattened config, per-token frame) of one run; metrics None when missing, the frame None
-    unless the run is a sound finished run of the current format (`failure_row` says why not)."""
+    unless the run is a sound finished run of a format that means what the current one does
+    (`failure_row` says why not)."""
     cfg = flatten(yaml.safe_load((d / R.CONFIG).read_text()) or {}, "cfg.")
     try:
         metrics = read_json(d / R.METRICS)
@@ -64,7 +65,7 @@ def load_run(d: Path) -> tuple[dict[str, Any] | None, dict[str, Any], pd.DataFra
     per_token = None
     if (
         metrics.get("status") == "ok"
-        and metrics.get("run_format") == R.RUN_FORMAT
+        and metrics.get("run_format") in R.SAME_MEANING
         and R.unreadable(d) is None
     ):
         per_token = pd.read_parquet(d / R.PER_TOKEN)
@@ -77,7 +78,7 @@ def failure_row(d: Path, metrics: dict[str, Any] | None, cfg: dict[str, Any], pe
     if per_token is not None:
         return None
     status = None if metrics is None else metrics.get("status")
-    stale = status == "ok" and metrics.get("run_format") != R.RUN_FORMAT
+    stale = status == "ok" and metrics.get("run_format") not in R.SAME_MEANING
     error = None if metrics is None else metrics.get("error")
     if status == "ok" and not stale:
         status, error = "unreadable", R.unreadable(d)

@@ -79,8 +79,9 @@ def cached_sink_metrics(
     root: Path, checkpoint: str, model: GPT, corpus: Corpus, context: int, sink_token: bool, split: str
 ):
     """`sink_metrics`, computed by the first run that asks for them and stored under root/<key>.json for
-    every later one; the key holds the checkpoint (name and weights hash), the corpus's tokens, the
-    context and the precision, so a retrained or re-tokenised subject is measured again."""
+    every later one; the key holds the checkpoint (name and weights hash), the corpus's tokens, the prefix
+    its streams start with (with or without <bos>: position 0 is another token), the context and the
+    precision, so a retrained or re-tokenised subject is measured again."""
     weights = model.wte.weight
     key = stable_hash(
         {
@@ -88,6 +89,7 @@ def cached_sink_metrics(
             "data_hash": corpus.data_hash,
             "context": context,
             "sink_token": sink_token,
+            "prefix": corpus.prefix(sink_token),
             "split": split,
             "dtype": str(weights.dtype),
             "device": weights.device.type,
