@@ -10,7 +10,7 @@ LAUNCHER ?= local
 OUT ?= $(or $(EVICTLAB_OUTPUTS),outputs)
 
 .DEFAULT_GOAL := help
-.PHONY: help install test test-fast test-slurm lint format train run sweep smoke paper aggregate figures report print-config sync bench bench-long clean-cache
+.PHONY: help install test test-fast test-slurm lint format train run sweep smoke paper verify aggregate figures report print-config sync bench bench-long clean-cache
 
 help: ## List every target with one line each
 	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z_-]+:.*## / {printf "  make %-12s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
@@ -59,6 +59,9 @@ sweep: ## Train (cached), run experiment EXP through LAUNCHER (local|submitit_lo
 
 paper: ## Re-run every experiments/<name>/ sweep, refresh its committed snapshot, redraw the paper figures
 	$(PY) -m evictlab.paper run --launcher $(LAUNCHER)
+
+verify: ## Re-run a sample of a committed snapshot (one run per policy) and compare: make verify EXP=smollm2_quality [ARGS="--streams 2"]
+	$(PY) -m evictlab.paper verify --only $(EXP) $(ARGS)
 
 aggregate: ## Collect a sweep's runs into results.parquet (+ failures.csv): make aggregate EXP=default
 	$(PY) -m evictlab.aggregate $(OUT)/runs/$(GROUP)

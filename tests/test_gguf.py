@@ -280,3 +280,18 @@ def test_smollm2_streaming_loop_equals_transformers_kv_cache_decoding(smollm2):
 
 if __name__ == "__main__":  # pragma: no cover
     sys.exit(pytest.main([__file__, "-q"]))
+
+
+def test_a_run_that_converts_the_gguf_itself_completes_and_logs(tiny_gguf, tmp_path: Path):
+    """The first run on a fresh machine converts the file inside the run (make sweep converts it first, so
+    sweeps never saw this): the training logger must not expect a training (it once raised KeyError)."""
+    from evictlab import run as run_mod
+
+    path, _ = tiny_gguf
+    cfg = make_cfg(
+        tmp_path / "out", "model=hf", f"model.name_or_path={path}", "model.name=tiny_gguf",
+        "strategy=window", "budget=b16", "eval.n_streams=2", "eval.stream_len=48", "logger.mode=offline",
+    )  # fmt: skip
+    metrics = run_mod.run(cfg)
+    assert metrics["status"] == "ok" and metrics["checkpoint"].startswith("tiny_gguf-")
+    assert len(metrics["weights_sha256"]) == 64

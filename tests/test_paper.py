@@ -84,3 +84,51 @@ def test_make_paper_refreshes_the_snapshot_from_the_sweep(tmp_path: Path, monkey
         "curves.parquet",
     }
     assert (tmp_path / "figs" / "position_modes" / "position_modes.png").exists()
+
+
+@pytest.mark.slow
+def test_verify_holds_on_the_smollm2_snapshot_and_fails_on_one_perturbed_by_one_percent(tmp_path: Path):
+    """make verify's comparison on a committed SmolLM2 snapshot (one stream of each sampled run here, to fit
+    CI: `make verify EXP=smollm2_quality` streams all 16), then the same measurements against a copy of the
+    snapshot whose NLL (or agreement) is 1% off."""
+    from evictlab import results as R
+    from evictlab import verify as V
+
+    folder = paper.EXPERIMENTS / "smollm2_quality"
+    now, notes = V.rerun(folder, streams=1, outputs=tmp_path / "outputs")
+    snapshot = R.read_tables(folder / "snapshot")["streams"]
+    policies = set(snapshot["strategy"])
+    assert {run.split()[0] for run in now["run"]} == policies  # one run per policy
+    rows = V.compare(snapshot, now)
+    assert rows["ok"].all(), V.report(rows) + "\n" + "\n".join(notes)
+    assert set(rows["metric"]) == {"nll", "nll_full", "kl", "agree", "correct"}
+    for metric in ("nll", "agree"):
+        off = V.compare(snapshot.assign(**{metric: snapshot[metric] * 1.01}), now)
+        assert not off.loc[off["metric"] == metric, "ok"].any(), metric
+        assert off.loc[off["metric"] != metric, "ok"].all()
+
+
+def test_verify_needs_a_known_experiment(capsys):
+    assert paper.main(["verify"]) == 2
+    assert "error: verify needs --only NAME" in capsys.readouterr().err
+    assert paper.main(["verify", "--only", "no_such_experiment"]) == 2
+    assert "no_such_experiment" in capsys.readouterr().err
+    assert paper.main(["verify", "--only", "smollm2_quality", "--streams", "0"]) == 2
+    assert "--streams 0 must be >= 1" in capsys.readouterr().err
+
+
+def test_the_verify_sample_is_one_run_per_policy_at_the_middle_budget_in_original_positions():
+    from evictlab import results as R
+    from evictlab import verify as V
+
+    results = R.read_tables(paper.EXPERIMENTS / "smollm2_quality" / "snapshot")["results"]
+    sample = V.sample_runs(results, "smollm2_quality")
+    labels = sorted(s.label for s in sample)
+    assert labels == sorted(
+        ["full b1023 original", "window b64 original", "streaming_llm b64 original", "h2o b64 original"]
+        + ["tova b64 original", "scissorhands b64 original"]
+    )
+    h2o = next(s for s in sample if s.label.startswith("h2o"))
+    assert h2o.overrides[:3] == ["+experiment=smollm2_quality", "strategy=h2o", "budget=b64"]
+    assert "eval.position_mode=original" in h2o.overrides
+    assert len(V.sample_runs(results, "smollm2_quality", every=True)) == results["run_key"].nunique()

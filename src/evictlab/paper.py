@@ -2,6 +2,7 @@
 
     python -m evictlab.paper figures   # make figures: every experiments/<name>/ figure, from its snapshot
     python -m evictlab.paper run       # make paper: re-run each experiment's sweep, refresh, redraw
+    python -m evictlab.paper verify --only NAME   # make verify EXP=NAME: does the snapshot still hold?
 
 Each `experiments/<name>/` holds `figures.yaml` (which Hydra experiment produces it and which figures
 of the registry in analysis/figures.py to draw, with their arguments), a README, and `snapshot/` (the
@@ -82,11 +83,15 @@ def refresh(folder: Path, launcher: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("command", choices=["figures", "run"])
+    ap.add_argument("command", choices=["figures", "run", "verify"])
     ap.add_argument("--only", nargs="*", default=None, help="experiment folder names (default: all)")
     ap.add_argument("--launcher", default="local", help="for `run`: local | submitit_local | slurm")
     ap.add_argument("--out", type=Path, default=None, help="figure root (default outputs/figures/paper)")
+    ap.add_argument("--streams", type=int, default=None, help="for `verify`: the first K streams of each run")
+    ap.add_argument("--all", action="store_true", help="for `verify`: every run, not one per policy")
     args = ap.parse_args(argv)
+    if args.command == "verify":
+        return verify_main(args)
     folders = [f for f in experiment_folders() if args.only is None or f.name in args.only]
     if not folders:
         print(f"error: no experiments/<name>/figures.yaml matches {args.only}", file=sys.stderr)
@@ -98,6 +103,43 @@ def main(argv: list[str] | None = None) -> int:
         files = draw(folder, root / folder.name)
         print(f"{folder.name}: {len(files) // 2} figure(s) -> {root / folder.name}")
     return 0
+
+
+def verify_main(args) -> int:
+    """`verify`: re-run each named snapshot's sample (evictlab/verify.py), print the differences; 1 when
+    any is beyond its tolerance."""
+    from evictlab import verify as V
+
+    if not args.only:
+        print(
+            "error: verify needs --only NAME (make verify EXP=NAME): it re-runs the snapshot's runs",
+            file=sys.stderr,
+        )
+        return 2
+    folders = [EXPERIMENTS / name for name in args.only]
+    missing = [f.name for f in folders if not (f / "figures.yaml").exists()]
+    if missing:
+        print(f"error: no experiments/<name>/figures.yaml for {missing}", file=sys.stderr)
+        return 2
+    if args.streams is not None and args.streams < 1:
+        print(f"error: --streams {args.streams} must be >= 1", file=sys.stderr)
+        return 2
+    status = 0
+    for folder in folders:
+        now, notes = V.rerun(folder, args.streams, args.all)
+        rows = V.compare(load_snapshot(folder)["streams"], now) if len(now) else pd.DataFrame()
+        for note in notes:
+            print(f"note: {note}")
+        print(f"\n{folder.name}: largest difference per run and metric")
+        print(V.report(rows))
+        bad = int((~rows["ok"]).sum()) if len(rows) else -1
+        if bad:
+            what = "nothing was compared" if bad < 0 else f"{bad} value(s) beyond tolerance"
+            print(f"{folder.name}: FAILED ({what})")
+            status = 1
+        else:
+            print(f"{folder.name}: holds ({len(rows)} values within tolerance)")
+    return status
 
 
 if __name__ == "__main__":

@@ -118,7 +118,10 @@ def _run_of(cfg: Config, job_type: str, run_id: str, name: str, tags: list[str],
 
 
 def log_training(cfg: Config, meta: dict[str, Any], checkpoint: Path) -> None:
-    """A job_type=train run: the loss curves, the final losses and the checkpoint as an artifact."""
+    """A job_type=train run: the loss curves, the final losses and the checkpoint as an artifact. A converted
+    checkpoint (a GGUF file: no training, no history) logs nothing here; its runs name it."""
+    if "history" not in meta:
+        return
     tags = [f"model:{cfg.model.name}", f"dataset:{cfg.dataset.name}"]
     config = {k: meta[k] for k in ("model", "train", "dataset", "tokenizer")}
     run_id, name = f"train-{meta['key']}", f"train {checkpoint.name}"

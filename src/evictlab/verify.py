@@ -1,0 +1,195 @@
+"""Does a committed snapshot still hold? Re-run a sample of its runs from their own configs and compare.
+
+    python -m evictlab.paper verify --only smollm2_quality            # make verify EXP=smollm2_quality
+    python -m evictlab.paper verify --only smollm2_quality --streams 2 --all
+
+The sample: for each policy in the snapshot, one run: original positions where the snapshot has them, at
+the budget nearest the middle of its budgets (the lower one on a tie); `--all` takes every run. Each run's
+config is composed as the sweep composed it (`+experiment=<figures.yaml's experiment>` plus the values of
+the keys the snapshot's runs differ in), and any other setting that differs from the snapshot's recorded
+config is printed. `--streams K` streams the first K of the run's streams (the same tokens the snapshot's
+first K streams hold).
+
+Compared, for each stream: the mean NLL of the policy and of the full cache, KL to the full cache (relative
+tolerance REL_TOL), top-1 agreement with the full cache and top-1 accuracy (absolute tolerance ABS_TOL:
+three tokens in a thousand may flip between two near-equal logits under another batch or build). The
+exit status is 1 when any difference is beyond its tolerance.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from evictlab import results as R
+
+REL_TOL = 1e-3  # nll, nll_full, kl: |now - snapshot| <= REL_TOL * |snapshot| (+ 1e-6)
+ABS_TOL = 3e-3  # agree, correct: shares of a stream's tokens
+RELATIVE = ("nll", "nll_full", "kl")
+ABSOLUTE = ("agree", "correct")
+GROUP_KEYS = {"strategy.name": "strategy", "budget.name": "budget"}  # config groups: chosen by name
+
+
+@dataclass
+class Sampled:
+    """One snapshot run to re-run: its identity and the overrides that compose its config."""
+
+    run_key: str
+    label: str
+    overrides: list[str]
+    recorded: dict  # its cfg.* values in the snapshot (flattened, without the prefix)
+    recorded_weights: str | None  # the weights_sha256 it measured (snapshots before RUN_FORMAT 4: None)
+
+
+def _value(v) -> str:
+    if isinstance(v, bool | np.bool_):
+        return str(bool(v)).lower()
+    if isinstance(v, float) and v.is_integer():
+        return str(int(v))
+    return str(v)
+
+
+def sample_runs(results: pd.DataFrame, experiment: str, every: bool = False) -> list[Sampled]:
+    """The runs of a snapshot's results table to verify (the module docstring's rule), with overrides."""
+    runs = results.drop_duplicates("run_key").reset_index(drop=True)
+    cfg_cols = [c for c in runs if c.startswith("cfg.")]
+    varying = [c for c in cfg_cols if runs[c].astype(str).nunique() > 1]
+    chosen = runs
+    if not every:
+        rows = []
+        for _, g in runs.groupby("strategy", sort=False):
+            if (g["position_mode"] == "original").any():
+                g = g[g["position_mode"] == "original"]
+            budgets = sorted(g["budget"].unique())
+            middle = budgets[(len(budgets) - 1) // 2]
+            rows.append(g[g["budget"] == middle].iloc[0])
+        chosen = pd.DataFrame(rows)
+    out = []
+    for _, row in chosen.iterrows():
+        groups = [
+            f"{group}={row['cfg.' + key]}" for key, group in GROUP_KEYS.items() if "cfg." + key in varying
+        ]
+        overrides = [f"+experiment={experiment}", *groups]  # config groups first, then values inside them
+        for col in varying:
+            key, v = col[4:], row[col]
+            if key in GROUP_KEYS or v is None or (isinstance(v, float) and math.isnan(v)):
+                continue
+            if not key.startswith(("strategy.", "budget.")) or key.startswith("strategy.params."):
+                overrides.append(f"{key}={_value(v)}")
+        label = f"{row['strategy']} b{int(row['budget'])} {row['position_mode']}"
+        recorded = {c[4:]: row[c] for c in cfg_cols}
+        weights = row.get("weights_sha256")
+        weights = weights if isinstance(weights, str) else None
+        out.append(Sampled(row["run_key"], label, overrides, recorded, weights))
+    return out
+
+
+def config_differences(cfg, recorded: dict) -> list[str]:
+    """Settings of the composed config that differ from the snapshot's record (keys in no run key left
+    out: paths, logger, threads and the like cannot change a number)."""
+    from omegaconf import OmegaConf
+
+    from evictlab.analysis.aggregate import flatten
+    from evictlab.config import key_dict
+
+    keyed = flatten(key_dict(cfg))
+    now = flatten(OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True))
+    diffs = []
+    for key, value in now.items():
+        if key not in keyed or key not in recorded:
+            continue
+        was = recorded[key]
+        if isinstance(was, float) and math.isnan(was):
+            continue
+        if _value(was) != _value(value):
+            diffs.append(f"{key}: snapshot {was!r}, now {value!r}")
+    return diffs
+
+
+def stream_means(per_token: dict[str, np.ndarray]) -> pd.DataFrame:
+    """Per-stream means of the compared per-token metrics (as aggregation computes them)."""
+    import warnings
+
+    cols = {}
+    with warnings.catch_warnings():  # a stream past the reference's cap has NaN nll_full / kl
+        warnings.simplefilter("ignore", RuntimeWarning)
+        for name in (*RELATIVE, *ABSOLUTE):
+            if name in per_token:
+                cols[name] = np.nanmean(per_token[name].astype(np.float64), axis=1)
+    frame = pd.DataFrame(cols)
+    frame.index.name = "stream"
+    return frame.reset_index()
+
+
+def compare(snapshot: pd.DataFrame, now: pd.DataFrame) -> pd.DataFrame:
+    """Rows (run, stream, metric, snapshot, now, diff, tolerance, ok) for every (run, stream) re-run now:
+    `snapshot` is the snapshot's streams table, `now` what `rerun` measured (run_key, run, stream, metrics).
+    A value the snapshot has and the re-run lacks (or the reverse) is a failed row."""
+    rows = []
+    snap = snapshot.set_index(["run_key", "stream"])
+    for _, r in now.iterrows():
+        where = (r["run_key"], int(r["stream"]))
+        for metric in (*RELATIVE, *ABSOLUTE):
+            a = float(snap.loc[where, metric]) if where in snap.index and metric in snap else math.nan
+            b = float(r[metric]) if metric in r else math.nan
+            if math.isnan(a) and math.isnan(b):
+                continue  # neither side has it (no reference past the cap, no KL for the full cache run)
+            tol = REL_TOL * abs(a) + 1e-6 if metric in RELATIVE else ABS_TOL
+            ok = abs(b - a) <= tol  # False when one side is NaN
+            rows.append(
+                {"run": r["run"], "stream": where[1], "metric": metric, "snapshot": a, "now": b}
+                | {"diff": b - a, "tolerance": tol, "ok": ok}
+            )
+    return pd.DataFrame(rows)
+
+
+def rerun(folder: Path, streams: int | None = None, every: bool = False, outputs: Path | None = None):
+    """Re-run the sample of one experiment folder's snapshot -> (per-stream means now: run_key, run,
+    stream and the compared metrics; notes). Trained subjects load from the checkpoint cache or train
+    again (a note says when the weights are not the snapshot's)."""
+    from evictlab.config import compose, to_objects
+    from evictlab.eval.evaluate import evaluate
+    from evictlab.paper import load_spec
+    from evictlab.run import RunStages, run_key
+
+    spec = load_spec(folder)
+    results = R.read_tables(folder / "snapshot")["results"]
+    if results.empty:
+        raise ValueError(f"{folder / 'snapshot'} has no results to verify")
+    frames, notes = [], []
+    for s in sample_runs(results, spec["experiment"], every):
+        extra = [f"paths.outputs={outputs}"] if outputs else []
+        cfg = to_objects(compose([*s.overrides, "logger=none", *extra]))
+        if cfg.eval.task.value != "lm":
+            notes.append(
+                f"{s.label}: skipped (verify compares language-modelling runs, not {cfg.eval.task.value})"
+            )
+            continue
+        notes += [
+            f"{s.label}: config differs from the snapshot's: {d}" for d in config_differences(cfg, s.recorded)
+        ]
+        stages = RunStages(cfg, run_key(cfg), Path("."))
+        corpus, ck, model = stages.subject()
+        was = s.recorded_weights
+        if was and was != ck.meta.get("weights_sha256"):
+            notes.append(f"{s.label}: the checkpoint's weights are not the snapshot's (sha256 {was[:12]}...)")
+        tokens, _ = stages.streams(corpus, model)
+        tokens = tokens[:streams] if streams is not None else tokens
+        res = evaluate(model, tokens, cfg.strategy.build(), cfg.resolved_budget, cfg.eval.spec())
+        frames.append(stream_means(res.per_token).assign(run_key=s.run_key, run=s.label))
+        print(f"{s.label}: {len(tokens)} stream(s) re-run", flush=True)
+    return (pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()), notes
+
+
+def report(rows: pd.DataFrame) -> str:
+    """The table of differences: per run and metric, the largest |now - snapshot| and its tolerance."""
+    if rows.empty:
+        return "nothing compared"
+    rows = rows.assign(excess=(rows["diff"].abs() / rows["tolerance"]))
+    worst = rows.loc[rows.groupby(["run", "metric"], sort=False)["excess"].idxmax()]
+    table = worst[["run", "metric", "stream", "snapshot", "now", "diff", "tolerance", "ok"]]
+    return table.to_string(index=False, float_format=lambda x: f"{x:.6g}")
