@@ -201,9 +201,12 @@ def full_logp(model: GPT, tokens: torch.Tensor, block: int) -> torch.Tensor:
     inp = tokens[:, :-1]
     n = inp.shape[1]
     attend = _BandAttention([BandCache(0, None) for _ in range(model.cfg.n_layer)])
-    parts = []
+    out = None  # filled block by block: the peak is one [B, n, V] array, not the blocks plus their join
     for s in range(0, n, block):
         e = min(n, s + block)
         attend.pos, attend.next_start = torch.arange(s, e, device=tokens.device), e
-        parts.append(F.log_softmax(model.forward_with(inp[:, s:e], attend.pos, attend), dim=-1))
-    return torch.cat(parts, dim=1)
+        logp = F.log_softmax(model.forward_with(inp[:, s:e], attend.pos, attend), dim=-1)
+        if out is None:
+            out = logp.new_empty(logp.shape[0], n, logp.shape[-1])
+        out[:, s:e] = logp
+    return out
