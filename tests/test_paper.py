@@ -38,9 +38,18 @@ def test_snapshots_are_real_sweeps():
         spec = paper.load_spec(folder)
         res = paper.load_snapshot(folder)["results"]
         assert set(res["group"]) == {spec["experiment"]}
-        strategies = {p[0].removeprefix("strategy=") for exp in paper.experiments(spec) for p in grid(exp)}
+        strategies = set()
+        for exp in paper.experiments(spec):
+            swept = {o.removeprefix("strategy=") for p in grid(exp) for o in p if o.startswith("strategy=")}
+            strategies |= swept or {base_strategy(exp)}  # a grid that sweeps no policy runs its own one
         assert set(res["strategy"]) == strategies
         assert res["run_key"].str.fullmatch(r"[0-9a-f]{16}").all()
+
+
+def base_strategy(experiment: str) -> str:
+    from evictlab.config import compose
+
+    return compose([f"+experiment={experiment}"]).strategy.name
 
 
 def test_bad_spec_and_unknown_folder(tmp_path: Path, monkeypatch, capsys):
