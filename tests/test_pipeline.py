@@ -376,6 +376,36 @@ def test_a_run_of_weights_since_replaced_is_redone_and_aggregation_refuses_a_mix
     )
 
 
+def test_a_sigterm_records_the_run_as_failed_and_the_rerun_completes_it(outputs: Path):
+    """SLURM sends SIGTERM before it kills a job: the run stops, says so in metrics.json (status failed), is
+    not done, and running it again completes it."""
+    args = [*FAST, "strategy=h2o", "budget=b16", "eval.stream_len=2048", "eval.n_streams=4", "logger=none"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HYDRA_")} | {
+        "EVICTLAB_OUTPUTS": str(outputs)
+    }
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "evictlab.run", *args],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
+    cfg = cfg_for(outputs, *args[len(FAST) :])
+    d = run_mod.run_dir(cfg)
+    deadline = time.time() + 120
+    while not (d / "run_info.json").exists() and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.05)
+    time.sleep(1.0)  # inside the run (training the tiny model, or evaluating)
+    assert proc.poll() is None, "the run ended before it could be terminated"
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode != 0
+    m = json.loads((d / "metrics.json").read_text())
+    assert m["status"] == "failed" and "Terminated: terminated by SIGTERM" in m["error"], out.decode()[-2000:]
+    assert not run_mod.is_done(d)
+    again = run_mod.run(cfg)
+    assert again["status"] == "ok" and not again.get("skipped") and run_mod.is_done(d)
+
+
 @pytest.mark.slow
 def test_a_worker_killed_from_outside_is_that_runs_failure_not_the_sweeps(outputs: Path):
     """As the out-of-memory killer would: every process that starts the target run is killed with SIGKILL.

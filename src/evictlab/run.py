@@ -15,7 +15,9 @@ import logging
 import math
 import os
 import random
+import signal
 import socket
+import threading
 import time
 import traceback
 from collections.abc import Iterator
@@ -122,6 +124,29 @@ def run_info(cfg: Config) -> dict[str, Any]:
     }
 
 
+class Terminated(BaseException):
+    """SIGTERM arrived (what SLURM sends a job before it kills it, what `kill` sends by default): the run
+    stops where it is and is recorded as failed, so nothing half-done counts as done and a rerun redoes it."""
+
+
+@contextmanager
+def sigterm_stops_the_run() -> Iterator[None]:
+    """While the block runs, SIGTERM raises Terminated (the caller's handler is restored after); outside the
+    main thread signals cannot be handled and this does nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum, frame):
+        raise Terminated(f"terminated by {signal.Signals(signum).name} before the run finished")
+
+    before = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, before)
+
+
 def run(cfg: Config) -> dict[str, Any]:
     """Evaluate one configuration; returns its metrics. Skips work whose metrics.json says ok."""
     key = run_key(cfg)
@@ -141,7 +166,8 @@ def run(cfg: Config) -> dict[str, Any]:
         write_json(out / R.RUN_INFO, run_info(cfg))
         start = time.perf_counter()
         try:
-            metrics = RunStages(cfg, key, out).run()
+            with sigterm_stops_the_run():
+                metrics = RunStages(cfg, key, out).run()
         except BaseException as e:
             failure = {"status": "failed", "run_key": key, "error": f"{type(e).__name__}: {e}"}
             write_json(
