@@ -277,3 +277,35 @@ def test_recall_share_mixes_pass_key_documents_into_training(session_outputs: Pa
     assert sum(has_query(r) for r in plain) == 0
     with pytest.raises(Exception, match="recall_share"):
         make_cfg(session_outputs, "train.recall_share=1.0")
+
+
+def test_a_full_disk_gives_one_clear_error_and_leaves_nothing_half_written(outputs: Path, monkeypatch):
+    import errno
+
+    import evictlab.train as train_mod
+    from evictlab.errors import ConfigError, DiskFullError
+    from evictlab.store import write_json
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    # a run file (every result, cache and metrics file goes through atomic_path)
+    dest = outputs / "runs" / "g" / "r" / "metrics.json"
+    monkeypatch.setattr(Path, "write_text", full)
+    with pytest.raises(DiskFullError, match=r"no space left on the device while writing .*metrics.json"):
+        write_json(dest, {"status": "ok"})
+    monkeypatch.undo()
+    assert not dest.exists() and not list(dest.parent.iterdir())  # no temp file left behind
+    assert issubclass(DiskFullError, ConfigError)  # the CLIs print a ConfigError as one `error:` line
+
+    # a checkpoint (safetensors reports the OS error inside its own exception's text)
+    def full_safetensors(*args, **kwargs):
+        raise RuntimeError("Error while serializing: IoError(Os { code: 28, kind: StorageFull })")
+
+    monkeypatch.setattr(train_mod, "save_model", full_safetensors)
+    cfg = make_cfg(outputs, "train.steps=5", "train.warmup_steps=2")
+    with pytest.raises(DiskFullError, match="nothing half-written was kept"):
+        get_checkpoint(cfg)
+    monkeypatch.undo()
+    assert not [p for p in (outputs / "checkpoints").iterdir() if not p.name.endswith(".lock")]
+    assert not get_checkpoint(cfg).cached  # space back: trained and written whole

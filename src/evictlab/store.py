@@ -8,6 +8,7 @@ import hashlib
 import json
 import os
 import platform
+import shutil
 import subprocess
 import tempfile
 from collections.abc import Callable, Iterator
@@ -66,8 +67,23 @@ def atomic_path(dest: str | os.PathLike) -> Iterator[Path]:
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
         os.replace(tmp, dest)
+    except Exception as e:
+        raise_if_disk_full(e, dest)
+        raise
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def raise_if_disk_full(e: BaseException, dest: str | os.PathLike) -> None:
+    """Turn a full disk while writing `dest` into one DiskFullError line that says what to do."""
+    from evictlab.errors import DiskFullError, is_disk_full
+
+    if is_disk_full(e):
+        free = shutil.disk_usage(Path(dest).parent).free if Path(dest).parent.exists() else 0
+        raise DiskFullError(
+            f"no space left on the device while writing {dest} ({free / 2**20:.0f} MiB free there): nothing "
+            "half-written was kept; free space and run again"
+        ) from e
 
 
 def write_atomic(dest: str | os.PathLike, write: Callable[[Path], None]) -> None:

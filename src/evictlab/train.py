@@ -37,6 +37,7 @@ from evictlab.store import (
     file_sha256,
     git_info,
     package_versions,
+    raise_if_disk_full,
     read_json,
     stable_hash,
     to_jsonable,
@@ -393,6 +394,9 @@ def save_checkpoint(dest: Path, model: GPT, meta: dict[str, Any]) -> None:
         if dest.exists():
             shutil.rmtree(dest)
         tmp.rename(dest)
+    except Exception as e:
+        raise_if_disk_full(e, dest / "model.safetensors")
+        raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
