@@ -111,18 +111,11 @@ def config_differences(cfg, recorded: dict) -> list[str]:
 
 
 def stream_means(per_token: dict[str, np.ndarray]) -> pd.DataFrame:
-    """Per-stream means of the compared per-token metrics (as aggregation computes them)."""
-    import warnings
-
-    cols = {}
-    with warnings.catch_warnings():  # a stream past the reference's cap has NaN nll_full / kl
-        warnings.simplefilter("ignore", RuntimeWarning)
-        for name in (*RELATIVE, *ABSOLUTE):
-            if name in per_token:
-                cols[name] = np.nanmean(per_token[name].astype(np.float64), axis=1)
-    frame = pd.DataFrame(cols)
-    frame.index.name = "stream"
-    return frame.reset_index()
+    """Per-stream means of the compared per-token metrics: the run's per-token frame (results.py) averaged
+    by stream, as aggregation averages a run's per_token.parquet (NaN past the reference's cap skipped)."""
+    compared = [name for name in (*RELATIVE, *ABSOLUTE) if name in per_token]
+    frame = R.per_token_frame({name: per_token[name] for name in compared})
+    return frame.groupby("stream")[compared].mean().reset_index()
 
 
 def compare(snapshot: pd.DataFrame, now: pd.DataFrame) -> pd.DataFrame:

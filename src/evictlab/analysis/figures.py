@@ -222,9 +222,8 @@ def nll_vs_position(
         and "nll_full" in c
         and c["nll_full"].notna().any()
     ):
-        first = c[
-            c["strategy"] == P.ordered(c["strategy"])[0]
-        ]  # every run of these streams has this reference
+        # every run of these streams has this reference: draw it from the first policy's runs
+        first = c[c["strategy"] == P.ordered(c["strategy"])[0]]
         lines.insert(0, ("full", first, "nll_full", "full cache (reference)"))
     for name, g, col, label in lines:
         g = g.dropna(subset=[col])
