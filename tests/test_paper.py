@@ -104,7 +104,8 @@ def test_verify_holds_on_the_smollm2_snapshot_and_fails_on_one_perturbed_by_one_
     from evictlab import verify as V
 
     folder = paper.EXPERIMENTS / "smollm2_quality"
-    now, notes = V.rerun(folder, streams=1, outputs=tmp_path / "outputs")
+    experiment = paper.load_spec(folder)["experiment"]
+    now, notes = V.rerun(folder, experiment, streams=1, outputs=tmp_path / "outputs")
     snapshot = R.read_tables(folder / "snapshot")["streams"]
     policies = set(snapshot["strategy"])
     assert {run.split()[0] for run in now["run"]} == policies  # one run per policy

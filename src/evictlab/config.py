@@ -28,12 +28,11 @@ from evictlab.data.corpora import DatasetConfig
 from evictlab.data.streams import StreamSource
 from evictlab.data.tokenizers import TokenizerConfig
 from evictlab.errors import ConfigError
-from evictlab.eval.evaluate import check_reference_cap
-from evictlab.eval.spec import PositionMode, StreamSpec, check_positions
+from evictlab.eval.spec import PositionMode, StreamSpec, check_positions, check_reference_cap
+from evictlab.logger import LoggerConfig
 from evictlab.models.gguf import is_gguf
 from evictlab.models.gpt import GPTConfig, PosEmb
 from evictlab.store import REPO_ROOT, to_jsonable
-from evictlab.tracking import LoggerConfig
 
 CONF_DIR = REPO_ROOT / "conf"
 
@@ -346,8 +345,6 @@ def register_configs() -> None:
     """The typed schema of conf/config.yaml, and for each registered policy a node `policy/<name>` holding
     its dataclass defaults: `conf/strategy/<name>.yaml` extends it (`defaults: [/policy@_here_: <name>]`),
     so every parameter can be set from the command line while the class stays their only home."""
-    import hydra_plugins.evictlab_sweeper.evictlab_sweeper  # noqa: F401  (hydra/sweeper=evictlab)
-
     store = ConfigStore.instance()
     store.store(name="config_schema", node=Config)
     for name, cls in POLICIES.items():

@@ -126,7 +126,7 @@ def verify_main(args) -> int:
         return 2
     status = 0
     for folder in folders:
-        now, notes = V.rerun(folder, args.streams, args.all)
+        now, notes = V.rerun(folder, load_spec(folder)["experiment"], args.streams, args.all)
         rows = V.compare(load_snapshot(folder)["streams"], now) if len(now) else pd.DataFrame()
         for note in notes:
             print(f"note: {note}")

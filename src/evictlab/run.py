@@ -32,7 +32,7 @@ import torch
 from filelock import FileLock
 
 from evictlab import results as R
-from evictlab.config import Config, hydra_entry, key_dict
+from evictlab.config import Config, hydra_entry
 from evictlab.data.dataset import Corpus, load_corpus
 from evictlab.data.recall import RecallBatch, recall_streams
 from evictlab.data.streams import eval_streams
@@ -41,60 +41,13 @@ from evictlab.eval.evaluate import EvalResult, evaluate, greedy_divergence, reca
 from evictlab.eval.shared import SharedReferences
 from evictlab.eval.sinks import PRETRAINED_CONTEXT, cached_sink_metrics
 from evictlab.eval.spec import check_positions
+from evictlab.identity import is_done, run_dir, run_key
 from evictlab.models.gpt import GPT
 from evictlab.perf import build_info, set_threads
-from evictlab.store import git_info, package_versions, read_json, stable_hash, write_atomic, write_json
+from evictlab.store import git_info, package_versions, read_json, write_atomic, write_json
 from evictlab.train import Checkpoint, get_checkpoint
 
 log = logging.getLogger(__name__)
-
-
-def run_key(cfg: Config) -> str:
-    d = key_dict(cfg)
-    if not cfg.strategy.build().evicts:  # the full cache ignores the budget: one run serves them all
-        d.pop("budget")
-    return stable_hash({"config": d, "format": R.KEY_VERSION})
-
-
-def run_dir(cfg: Config, key: str | None = None) -> Path:
-    key = key or run_key(cfg)
-    budget = "all" if not cfg.strategy.build().evicts else cfg.budget.name
-    return cfg.outputs / "runs" / cfg.group / f"{cfg.strategy.name}-{budget}-{key}"
-
-
-def is_done(path: Path) -> bool:
-    """A finished run of the current format whose result files are sound and whose weights are the ones its
-    checkpoint holds now (an older format's run, one with a damaged or missing file, or one of weights that
-    were since replaced under its checkpoint's name, is redone in place)."""
-    try:
-        m = read_json(path / R.METRICS)
-    except (OSError, ValueError):
-        return False
-    if m.get("status") != "ok" or m.get("run_format") != R.RUN_FORMAT:
-        return False
-    if (why := R.unreadable(path)) is not None:
-        log.warning("redoing %s: %s", path, why)
-        return False
-    checkpoints = path.parents[2] / "checkpoints"  # path = <outputs>/runs/<group>/<run>
-    now = checkpoint_weights(checkpoints / str(m.get("checkpoint")))
-    if now is not None and now != m.get("weights_sha256"):
-        log.warning(
-            "redoing %s: its checkpoint %s now holds other weights (sha256 %s..., the run measured %s...)",
-            path,
-            m.get("checkpoint"),
-            now[:12],
-            str(m.get("weights_sha256"))[:12],
-        )
-        return False
-    return True
-
-
-def checkpoint_weights(folder: Path) -> str | None:
-    """The weights hash a cached checkpoint folder records, or None when there is none to compare with."""
-    try:
-        return read_json(folder / "meta.json").get("weights_sha256")
-    except (OSError, ValueError, AttributeError):
-        return None
 
 
 def seed_everything(seed: int) -> None:

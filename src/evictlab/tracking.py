@@ -11,32 +11,13 @@ import os
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
-from enum import Enum
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from evictlab.logger import LoggerConfig, LoggerMode
+
 if TYPE_CHECKING:  # the analysis stage imports this module without torch or hydra
     from evictlab.config import Config
-
-
-class LoggerMode(str, Enum):
-    offline = "offline"  # write W&B runs locally; `make sync` uploads them later
-    online = "online"
-    disabled = "disabled"
-
-
-@dataclass
-class LoggerConfig:
-    mode: LoggerMode = LoggerMode.offline
-    project: str | None = None  # None: $WANDB_PROJECT or "evictlab"
-    entity: str | None = None  # None: $WANDB_ENTITY or your default entity
-    log_checkpoint: bool = True  # the checkpoint as a W&B artifact (train runs)
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> LoggerConfig:
-        """From the `logger` node of a run's config.yaml."""
-        return cls(**{**d, "mode": LoggerMode(d.get("mode", "offline"))})
 
 
 # What W&B would collect that evictlab records itself (git state and packages in run_info.json / meta.json)

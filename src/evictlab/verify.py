@@ -140,21 +140,25 @@ def compare(snapshot: pd.DataFrame, now: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-def rerun(folder: Path, streams: int | None = None, every: bool = False, outputs: Path | None = None):
-    """Re-run the sample of one experiment folder's snapshot -> (per-stream means now: run_key, run,
-    stream and the compared metrics; notes). Trained subjects load from the checkpoint cache or train
-    again (a note says when the weights are not the snapshot's)."""
+def rerun(
+    folder: Path,
+    experiment: str,
+    streams: int | None = None,
+    every: bool = False,
+    outputs: Path | None = None,
+):
+    """Re-run the sample of one experiment folder's snapshot of `experiment` (its figures.yaml names it)
+    -> (per-stream means now: run_key, run, stream and the compared metrics; notes). Trained subjects load
+    from the checkpoint cache or train again (a note says when the weights are not the snapshot's)."""
     from evictlab.config import compose, to_objects
     from evictlab.eval.evaluate import evaluate
-    from evictlab.paper import load_spec
     from evictlab.run import RunStages, run_key
 
-    spec = load_spec(folder)
     results = R.read_tables(folder / "snapshot")["results"]
     if results.empty:
         raise ValueError(f"{folder / 'snapshot'} has no results to verify")
     frames, notes = [], []
-    for s in sample_runs(results, spec["experiment"], every):
+    for s in sample_runs(results, experiment, every):
         extra = [f"paths.outputs={outputs}"] if outputs else []
         cfg = to_objects(compose([*s.overrides, "logger=none", *extra]))
         if cfg.eval.task.value != "lm":

@@ -152,7 +152,8 @@ def write_report(path: Path, tables: dict[str, pd.DataFrame], figs: dict[str, Fi
 def _log_to_wandb(sweep: Path, tables, out: Path, figs: dict[str, Figure]) -> None:
     """Mirror the figures and the headline table to W&B with the sweep's own logger settings (from a run's
     config.yaml; a sweep without runs logs nothing)."""
-    from evictlab.tracking import LoggerConfig, LoggerMode, log_report
+    from evictlab.logger import LoggerConfig, LoggerMode
+    from evictlab.tracking import log_report
 
     dirs = run_dirs([sweep])
     cfg = yaml.safe_load((dirs[0] / R.CONFIG).read_text()) if dirs else {}

@@ -19,7 +19,7 @@ from evictlab.errors import ConfigError
 from evictlab.eval.engine import StreamOutput, generate, stream
 from evictlab.eval.full import FullReference, full_reference
 from evictlab.eval.shared import SharedReferences
-from evictlab.eval.spec import DEFAULT, StreamSpec
+from evictlab.eval.spec import DEFAULT, StreamSpec, check_reference_cap
 from evictlab.eval.static import full_logp
 from evictlab.models.gpt import GPT
 from evictlab.perf import peak_rss_bytes
@@ -58,17 +58,6 @@ class Batches:
     def sizes(self) -> list[int]:
         """Streams per batch (the weights of per-batch means)."""
         return [r.logp.shape[0] for r in self.refs]
-
-
-def check_reference_cap(policy: Policy, n: int, spec: StreamSpec) -> None:
-    """A policy that is the full cache, or that reads its future, cannot run past the reference's cap."""
-    if n <= spec.full_max_len or (policy.evicts and not policy.needs_future):
-        return
-    why = "keeps every entry" if not policy.evicts else "reads the full-cache run's future"
-    raise ConfigError(
-        f"strategy={policy.name} {why}: streams of {n + 1} tokens are longer than the full-cache reference "
-        f"covers (eval.full_max_len={spec.full_max_len} predictions): shorten eval.stream_len or raise it"
-    )
 
 
 def reference_for(

@@ -9,10 +9,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import Enum
+from typing import TYPE_CHECKING
 
 from evictlab.cache.budget import Allocation
 from evictlab.errors import ConfigError
 from evictlab.models.gpt import GPTConfig, PosEmb
+
+if TYPE_CHECKING:
+    from evictlab.cache.policies import Policy
 
 
 class PositionMode(str, Enum):
@@ -58,3 +62,14 @@ def check_positions(model: GPTConfig, mode: PositionMode | str, stream_len: int 
 
 
 DEFAULT = StreamSpec()  # the default settings (a frozen value, safe as an argument default)
+
+
+def check_reference_cap(policy: Policy, n: int, spec: StreamSpec) -> None:
+    """A policy that is the full cache, or that reads its future, cannot run past the reference's cap."""
+    if n <= spec.full_max_len or (policy.evicts and not policy.needs_future):
+        return
+    why = "keeps every entry" if not policy.evicts else "reads the full-cache run's future"
+    raise ConfigError(
+        f"strategy={policy.name} {why}: streams of {n + 1} tokens are longer than the full-cache reference "
+        f"covers (eval.full_max_len={spec.full_max_len} predictions): shorten eval.stream_len or raise it"
+    )

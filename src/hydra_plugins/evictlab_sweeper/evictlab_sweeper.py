@@ -48,7 +48,7 @@ class EvictlabSweeper(BasicSweeper):
         """Does this job's run folder already hold a finished run? (A job that does not validate is not
         finished: it is launched and fails there, in one line.)"""
         from evictlab.errors import ConfigError
-        from evictlab.run import is_done, run_dir
+        from evictlab.identity import is_done, run_dir
 
         try:
             return is_done(run_dir(self.job_config(job)))
@@ -108,7 +108,7 @@ class EvictlabSweeper(BasicSweeper):
         """Write a failed metrics.json for a run whose process died (it could not write one itself)."""
         from evictlab import results as R
         from evictlab.errors import ConfigError
-        from evictlab.run import run_dir, run_key
+        from evictlab.identity import run_dir, run_key
         from evictlab.store import write_json
 
         try:

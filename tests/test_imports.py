@@ -1,0 +1,131 @@
+"""The package's import graph, read from the source with `ast` (nothing is imported): no cycle, and the
+modules meant to be light stay light."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+from evictlab.store import REPO_ROOT
+
+SRC = REPO_ROOT / "src"
+
+
+def module_name(path: Path, src: Path = SRC) -> str:
+    parts = list(path.relative_to(src).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_graph(src: Path = SRC) -> dict[str, set[str]]:
+    """module -> the package modules it imports anywhere in its file (top level, inside functions, and
+    under `if TYPE_CHECKING:` alike), `from a import b` counted as a.b when a.b is a module, else as a."""
+    files = {module_name(p, src): p for p in src.rglob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for mod, path in files.items():
+        package = mod if path.name == "__init__.py" else mod.rpartition(".")[0]
+        deps = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    up = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    base = ".".join(up + ([base] if base else []))
+                names = [f"{base}.{a.name}" for a in node.names] + [base]
+            else:
+                continue
+            for name in names:
+                while name and name not in files:
+                    name = name.rpartition(".")[0]
+                if name and name != mod:
+                    deps.add(name)
+                    break
+        graph[mod] = deps
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+    for root in sorted(graph):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            v, children = work[-1]
+            w = next(children, None)
+            if w is not None:
+                if w not in index:
+                    index[w] = low[w] = len(index)
+                    stack.append(w)
+                    on_stack.add(w)
+                    work.append((w, iter(sorted(graph.get(w, ())))))
+                elif w in on_stack:
+                    low[v] = min(low[v], index[w])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[v])
+            if low[v] == index[v]:
+                comp = []
+                while True:
+                    w = stack.pop()
+                    on_stack.discard(w)
+                    comp.append(w)
+                    if w == v:
+                        break
+                if len(comp) > 1:
+                    found.append(sorted(comp))
+    return found
+
+
+def test_the_cycle_finder_finds_a_cycle_and_nothing_else():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a", "d"}, "d": set(), "e": {"d"}}
+    assert cycles(graph) == [["a", "b", "c"]]
+    assert cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_the_graph_sees_relative_function_level_and_type_checking_imports(tmp_path: Path):
+    pkg = tmp_path / "p"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("def f():\n    from . import b\n")
+    (pkg / "b.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from p.a import f\n")
+    graph = import_graph(tmp_path)
+    assert graph["p.a"] == {"p.b"} and graph["p.b"] == {"p.a"}
+    assert cycles(graph) == [["p.a", "p.b"]]
+
+
+def test_the_package_has_no_import_cycle():
+    assert cycles(import_graph()) == []
+
+
+def test_the_config_schema_imports_neither_evaluation_tracking_nor_the_sweeper():
+    deps = import_graph()["evictlab.config"]
+    heavy = {"evictlab.eval.evaluate", "evictlab.tracking", "evictlab.run", "evictlab.train"}
+    assert not deps & heavy
+    assert not {d for d in deps if d.startswith("hydra_plugins")}
+
+
+def test_the_sweeper_reads_run_identity_without_the_engine():
+    graph = import_graph()
+    sweeper = graph["hydra_plugins.evictlab_sweeper.evictlab_sweeper"]
+    assert "evictlab.identity" in sweeper and "evictlab.run" not in sweeper
+
+    def reach(mod: str) -> set[str]:
+        seen, todo = set(), [mod]
+        while todo:
+            for d in graph[todo.pop()] - seen:
+                seen.add(d)
+                todo.append(d)
+        return seen
+
+    assert not reach("evictlab.identity") & {"evictlab.run", "evictlab.train", "evictlab.eval.evaluate"}
