@@ -240,6 +240,29 @@ def test_report_references_every_figure(sweep: Path, tmp_path: Path):
     assert "StreamingLLM" in html and "perplexity [95% CI]" in html
 
 
+def test_each_group_gets_its_own_world_readable_report(sweep: Path, tmp_path: Path, monkeypatch):
+    import shutil
+    import stat
+
+    from evictlab.analysis.report import group_of
+    from evictlab.store import UMASK
+
+    aggregate([sweep], sweep)
+    outputs = tmp_path / "outputs"
+    monkeypatch.setenv("EVICTLAB_OUTPUTS", str(outputs))
+    for group in ("smoke", "ablation/bos"):
+        shutil.copytree(sweep, outputs / "runs" / group)
+        assert group_of(outputs / "runs" / group) == group
+        assert report_main([str(outputs / "runs" / group), "--no-wandb"]) == 0
+    for group in ("smoke", "ablation/bos"):  # the second report did not overwrite the first
+        page = outputs / "report" / group / "index.html"
+        assert f"<h1>evictlab: {group}</h1>" in page.read_text()
+        # the mode open() would give (0644 under the usual umask 022), not mkstemp's owner-only 0600
+        assert stat.S_IMODE(page.stat().st_mode) == 0o666 & ~UMASK
+        assert (outputs / "figures" / group / "ppl_vs_budget.png").exists()
+    assert group_of(tmp_path / "elsewhere") == "elsewhere"
+
+
 def test_report_cli_bad_input(tmp_path: Path, capsys):
     assert report_main([str(tmp_path / "nope")]) == 2
     assert "no such sweep folder" in capsys.readouterr().err

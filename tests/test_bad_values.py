@@ -38,6 +38,9 @@ BAD = [
     (["strategy=random", "strategy.params.seed=0.5"], ["strategy.params.seed", "0.5"]),
     (["strategy=l2norm", "strategy.params.n_recent=-3"], ["strategy.params.n_recent", "-3"]),
     (["strategy=streaming_llm", "budget=b16", "strategy.params.n_sink=16"], ["strategy.params.n_sink=16"]),
+    # a misspelt parameter: the valid names, as they are written on the command line
+    (["strategy=streaming_llm", "+strategy.params.nsink=1"], ["nsink", "strategy.params.n_sink"]),
+    (["strategy=h2o", "+strategy.params.recent=0.5"], ["recent", "strategy.params.recent_fraction"]),
     # non-finite or out-of-range numbers anywhere
     (["train.lr=nan"], ["train.lr", "nan"]),
     (["train.lr=inf"], ["train.lr", "inf"]),
@@ -63,6 +66,9 @@ BAD = [
     (["model.init_std=nan"], ["model.init_std", "nan"]),
     (["budget=frac1_2", "budget.fraction=nan"], ["budget.fraction", "nan"]),
     (["budget.tokens=0"], ["budget.tokens", "0"]),
+    (["budget=0"], ["budget.tokens", "0"]),
+    (["budget=64,b32"], ["budget=64,b32", "budget.tokens"]),
+    (["budget=64,0.5"], ["budget=64,0.5", "not both"]),
     (["dataset.val_fraction=nan"], ["dataset.val_fraction", "nan"]),
     (["dataset.test_fraction=inf"], ["dataset.test_fraction", "inf"]),
     (["eval.recall_depths=[0.1,nan]"], ["eval.recall_depths", "nan"]),
@@ -101,6 +107,31 @@ def test_good_values_next_to_the_bad_ones_pass(tmp_path: Path):
     ]
     for overrides in good:
         to_objects(compose([*TINY, f"paths.outputs={tmp_path / 'out'}", *overrides]))
+
+
+@pytest.mark.parametrize(
+    "overrides, tokens, fraction, name",
+    [
+        (["budget=100"], 100, None, "b100"),
+        (["budget=b256", "budget.tokens=100"], 100, None, "b100"),  # the label follows the value
+        (["budget=0.25"], None, 0.25, "frac1_4"),
+        (["budget=0.3"], None, 0.3, "frac0.3"),
+        (["budget=frac1_16"], None, 0.0625, "frac1_16"),
+        (["budget=b64"], 64, None, "b64"),
+    ],
+)
+def test_a_budget_is_a_number_on_the_command_line(overrides, tokens, fraction, name, tmp_path: Path):
+    b = to_objects(compose([*TINY, f"paths.outputs={tmp_path / 'out'}", *overrides])).budget
+    assert (b.tokens, b.fraction, b.name) == (tokens, fraction, name)
+
+
+def test_a_sweep_of_numeric_budgets_is_a_sweep_of_entries():
+    from evictlab.config import budget_shorthand
+
+    shorthand = budget_shorthand(["strategy=window", "budget=64,100"])
+    assert shorthand == ["strategy=window", "budget.tokens=64,100"]
+    assert budget_shorthand(["budget=0.5,0.25"]) == ["budget.fraction=0.5,0.25", "budget.tokens=null"]
+    assert budget_shorthand(["budget=b16,b32", "budget.tokens=8"]) == ["budget=b16,b32", "budget.tokens=8"]
 
 
 def test_outputs_that_is_a_file_or_not_writable_fails(tmp_path: Path, monkeypatch):

@@ -51,6 +51,10 @@ BAD = [
     ("non-integer-seed", ["train.seed=1.5"], "train.seed"),
     ("unknown-key", ["train.stpes=10"], "stpes"),
     ("bad-enum", ["model.pos_emb=alibi"], "pos_emb"),
+    # a number where Hydra expects a budget file: rewritten (budget=100 is budget.tokens=100), or one line
+    ("budget-list-mixes-files-and-numbers", ["budget=64,b32"], "budget.tokens=64,100"),
+    ("budget-number-out-of-range", ["budget=1.5"], "budget=1.5"),
+    ("budget-number-negative", ["budget=-4"], "budget.tokens=-4"),
 ]
 
 

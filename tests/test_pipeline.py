@@ -69,6 +69,9 @@ def test_run_writes_its_files_and_resumes(outputs: Path):
     mtime = (d / "metrics.json").stat().st_mtime_ns
     again = run_mod.run(cfg_for(outputs, "strategy=h2o", "budget=b16", "logger=none"))
     assert again["skipped"] and (d / "metrics.json").stat().st_mtime_ns == mtime
+    # locks (run, checkpoint, caches) sit in hidden .locks/ folders, not beside the results they guard
+    assert not [p for p in outputs.rglob("*.lock") if p.parent.name != ".locks"]
+    assert (d.parent / ".locks" / f"{d.name}.lock").exists()
 
 
 def test_the_analysis_stage_loads_neither_torch_nor_hydra():
@@ -263,8 +266,9 @@ def test_killed_sweep_resumes_and_every_run_ends_ok_once(outputs: Path):
         assert (outputs / "runs" / "smoke" / k / "metrics.json").stat().st_mtime_ns == mtime
     third = _sweep(outputs, "hydra/launcher=basic")
     log, _ = third.communicate(timeout=300)
-    # a finished sweep launches no job at all (full counts twice: one run serves both budgets)
-    assert third.returncode == 0 and "8 of 8 runs already finished: not launched" in log, log
+    # a finished sweep launches no job at all, and counts runs as aggregation does (the full cache's one run
+    # serves both budgets' jobs)
+    assert third.returncode == 0 and "7 of 7 runs already finished: not launched (8 jobs" in log, log
     assert ": already done" not in log and "#0 :" not in log
 
 

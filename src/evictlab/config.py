@@ -160,7 +160,9 @@ class StrategyConfig:
 
 @dataclass
 class BudgetConfig:
-    """KV entries a layer keeps between steps: absolute (`tokens`) or a fraction of the scored stream."""
+    """KV entries a layer keeps between steps: absolute (`tokens`) or a fraction of the scored stream.
+    `name` (the run folder's and the tables' label) follows the value: b<tokens>, frac1_<n> for 1/n, else
+    frac<fraction>, so `budget.tokens=100` is labelled b100 whichever budget file it started from."""
 
     name: str = "b64"
     tokens: int | None = 64
@@ -173,6 +175,14 @@ class BudgetConfig:
             raise ConfigError(f"budget.tokens={self.tokens} must be >= 1")
         if self.fraction is not None and not 0 < self.fraction <= 1:
             raise ConfigError(f"budget.fraction={self.fraction} must be in (0, 1]")
+        self.name = self.label(self.tokens, self.fraction)
+
+    @staticmethod
+    def label(tokens: int | None, fraction: float | None) -> str:
+        if tokens is not None:
+            return f"b{tokens}"
+        inverse = 1 / fraction
+        return f"frac1_{round(inverse)}" if abs(inverse - round(inverse)) < 1e-9 else f"frac{fraction:g}"
 
     def resolve(self, stream_len: int) -> int:
         """Absolute entries for a stream of stream_len tokens (stream_len - 1 predictions)."""
@@ -341,6 +351,9 @@ class Config:
         return Path(self.paths.outputs)
 
 
+BUDGET_FILES = [p.stem for p in (CONF_DIR / "budget").glob("*.yaml")]
+
+
 def register_configs() -> None:
     """The typed schema of conf/config.yaml, and for each registered policy a node `policy/<name>` holding
     its dataclass defaults: `conf/strategy/<name>.yaml` extends it (`defaults: [/policy@_here_: <name>]`),
@@ -360,7 +373,47 @@ def compose(overrides: list[str] | None = None, config_name: str = "config") -> 
     from hydra import initialize_config_dir
 
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        return hydra_compose(config_name=config_name, overrides=list(overrides or []))
+        return hydra_compose(config_name=config_name, overrides=budget_shorthand(list(overrides or [])))
+
+
+def budget_shorthand(overrides: list[str]) -> list[str]:
+    """`budget=100` as `budget.tokens=100` and `budget=0.25` as `budget.fraction=0.25` (also a sweep's
+    `budget=64,100`): Hydra reads a config group's value as a file name under conf/budget/, and a number is
+    none. A list that mixes numbers with file names is an error that says how to write it."""
+    out = []
+    for o in overrides:
+        key, eq, value = o.partition("=")
+        if key != "budget" or not eq:
+            out.append(o)
+            continue
+        items = value.split(",")
+        numeric = [_number(v) for v in items]
+        if all(n is None for n in numeric):
+            out.append(o)
+        elif any(n is None for n in numeric):
+            raise ConfigError(
+                f"budget={value}: a list mixes budget files ({', '.join(sorted(BUDGET_FILES))}) with numbers;"
+                " write budget.tokens=64,100 (entries) or budget=b64,b128 (files)"
+            )
+        elif all(isinstance(n, int) for n in numeric):
+            out.append(f"budget.tokens={value}")
+        elif all(isinstance(n, float) and 0 < n <= 1 for n in numeric):
+            out += [f"budget.fraction={value}", "budget.tokens=null"]
+        else:
+            raise ConfigError(
+                f"budget={value}: a budget is a whole number of entries (budget=100) or a fraction of the "
+                "stream in (0, 1] (budget=0.25), not both in one list"
+            )
+    return out
+
+
+def _number(text: str) -> int | float | None:
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return None
 
 
 def to_objects(cfg: DictConfig) -> Config:
@@ -385,6 +438,12 @@ def hydra_entry(job: Callable[[Config], str]) -> None:
     print the line it returns. A bad value or input prints `error: ...` and exits 2; in a sweep grid with
     skip_invalid=true, a combination that fails validation is skipped (exit 0)."""
     import hydra
+
+    try:
+        sys.argv[1:] = budget_shorthand(sys.argv[1:])
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
 
     @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")
     def _main(dcfg: DictConfig) -> None:

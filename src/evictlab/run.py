@@ -29,7 +29,6 @@ from typing import Any
 import numpy as np
 import pandas as pd
 import torch
-from filelock import FileLock
 
 from evictlab import results as R
 from evictlab.config import Config, hydra_entry
@@ -44,7 +43,7 @@ from evictlab.eval.spec import check_positions
 from evictlab.identity import is_done, run_dir, run_key
 from evictlab.models.gpt import GPT
 from evictlab.perf import build_info, set_threads
-from evictlab.store import git_info, package_versions, read_json, write_atomic, write_json
+from evictlab.store import file_lock, git_info, package_versions, read_json, write_atomic, write_json
 from evictlab.train import Checkpoint, get_checkpoint
 
 log = logging.getLogger(__name__)
@@ -105,7 +104,7 @@ def run(cfg: Config) -> dict[str, Any]:
     key = run_key(cfg)
     out = run_dir(cfg, key)
     out.parent.mkdir(parents=True, exist_ok=True)
-    with FileLock(str(out) + ".lock"):
+    with file_lock(out):
         if is_done(out):
             log.info("already done: %s", out)
             return {**read_json(out / R.METRICS), "skipped": True}
@@ -324,7 +323,8 @@ class RunStages:
 
 
 def summary_line(m: dict[str, Any]) -> str:
-    head = f"{m['strategy_label']} budget={m['budget']} seed={m['seed']} {m['position_mode']}"
+    budget = m["budget"] if m.get("evicts", True) else "all"  # the full cache keeps every entry
+    head = f"{m['strategy_label']} budget={budget} seed={m['seed']} {m['position_mode']}"
     if m.get("skipped"):
         return f"{head}: already done (ppl {m['ppl']:.3f})"
     extra = f", KL {m['kl_mean']:.4f}, top-1 agreement {m['agreement']:.3f}" if "kl_mean" in m else ""

@@ -18,6 +18,8 @@ from pathlib import Path
 from typing import Any
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
+UMASK = os.umask(0o022)  # read once (the only way to read it is to set it), then put back
+os.umask(UMASK)
 
 
 def outputs_dir(path: str | os.PathLike | None = None) -> Path:
@@ -54,9 +56,23 @@ def file_sha256(path: str | os.PathLike) -> str:
     return h.hexdigest()
 
 
+def file_lock(path: str | os.PathLike):
+    """An exclusive lock (filelock.FileLock) guarding `path`, held in an empty file in a hidden `.locks/`
+    folder beside it, so run and cache folders list only results. The lock file stays after release:
+    removing a Unix lock file while a process waits on it lets two processes hold "the" lock at once
+    (filelock keeps it for that reason), so never delete `.locks/` while evictlab is running."""
+    from filelock import FileLock
+
+    path = Path(path)
+    locks = path.parent / ".locks"
+    locks.mkdir(parents=True, exist_ok=True)
+    return FileLock(str(locks / f"{path.name}.lock"))
+
+
 @contextmanager
 def atomic_path(dest: str | os.PathLike) -> Iterator[Path]:
-    """Yield a temp path beside `dest`; on success fsync it and rename it over `dest`."""
+    """Yield a temp path beside `dest`; on success fsync it, give it the mode a plain `open` would (0666
+    less the umask: mkstemp's 0600 would hide results from the rest of a lab) and rename it over `dest`."""
     dest = Path(dest)
     dest.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{dest.name}.", suffix=".tmp", dir=dest.parent)
@@ -66,6 +82,7 @@ def atomic_path(dest: str | os.PathLike) -> Iterator[Path]:
         yield tmp
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
+        os.chmod(tmp, 0o666 & ~UMASK)
         os.replace(tmp, dest)
     except Exception as e:
         raise_if_disk_full(e, dest)

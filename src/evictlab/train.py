@@ -22,7 +22,6 @@ from typing import Any
 
 import numpy as np
 import torch
-from filelock import FileLock
 from safetensors.torch import load_model, save_model
 from tqdm.auto import tqdm
 
@@ -34,6 +33,7 @@ from evictlab.models.gguf import is_gguf
 from evictlab.models.gpt import GPT, GPTConfig
 from evictlab.perf import build_info, matmul_flops_per_s, pinned_threads
 from evictlab.store import (
+    file_lock,
     file_sha256,
     git_info,
     package_versions,
@@ -427,7 +427,7 @@ def cached_checkpoint(
     if (hit := try_load()) is not None:
         return hit
     dest.parent.mkdir(parents=True, exist_ok=True)
-    with FileLock(str(dest) + ".lock"):
+    with file_lock(dest):
         if (hit := try_load()) is not None:  # another process made it while we waited
             return hit
         model, meta = build()

@@ -164,14 +164,24 @@ def _log_to_wandb(sweep: Path, tables, out: Path, figs: dict[str, Figure]) -> No
     )
 
 
+def group_of(sweep: Path) -> str:
+    """The group a sweep folder holds: its path under a `runs/` folder (`a/b` for group=a/b), else its name.
+    Each group's figures and report get their own folder, so reporting one never overwrites another's."""
+    parts = sweep.resolve().parts
+    if "runs" in parts[:-1]:
+        at = len(parts) - 1 - parts[::-1].index("runs")
+        return "/".join(parts[at + 1 :])
+    return sweep.name
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument(
         "sweep", type=Path, help="a sweep folder (outputs/runs/<group>) that aggregate has written"
     )
-    ap.add_argument("--out", type=Path, default=None, help="figure folder (default outputs/figures/<name>)")
+    ap.add_argument("--out", type=Path, default=None, help="figure folder (default outputs/figures/<group>)")
     ap.add_argument(
-        "--report", type=Path, default=None, help="HTML report (default outputs/report/index.html)"
+        "--report", type=Path, default=None, help="HTML report (default outputs/report/<group>/index.html)"
     )
     ap.add_argument("--no-wandb", action="store_true", help="do not log the figures and table to W&B")
     args = ap.parse_args(argv)
@@ -185,14 +195,15 @@ def main(argv: list[str] | None = None) -> int:
     if tables["results"].empty:
         print(f"error: no finished runs under {args.sweep}", file=sys.stderr)
         return 2
-    out = args.out or outputs_dir() / "figures" / args.sweep.name
+    group = group_of(args.sweep)
+    out = args.out or outputs_dir() / "figures" / group
     out.mkdir(parents=True, exist_ok=True)
     figs = F.draw_all(tables)
     for stem, fig in figs.items():
         for ext in ("png", "pdf"):
             fig.savefig(out / f"{stem}.{ext}", dpi=150)
-    report = args.report or outputs_dir() / "report" / "index.html"
-    write_report(report, tables, figs, f"evictlab: {args.sweep.name}")
+    report = args.report or outputs_dir() / "report" / group / "index.html"
+    write_report(report, tables, figs, f"evictlab: {group}")
     if not args.no_wandb:
         _log_to_wandb(args.sweep, tables, out, figs)
     for fig in figs.values():

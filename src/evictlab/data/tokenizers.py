@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from evictlab.errors import ConfigError
-from evictlab.store import atomic_path, stable_hash
+from evictlab.store import atomic_path, file_lock, stable_hash
 
 BOS, SINK = "<bos>", "<sink>"
 
@@ -111,15 +111,13 @@ class GGUFTokenizer(BPETokenizer):
 
 def gguf_tokenizer(name_or_path: str, cache_dir: Path) -> GGUFTokenizer:
     """The tokenizer of the GGUF file `name_or_path`, read from the file once and cached by its sha256."""
-    from filelock import FileLock
-
     from evictlab.models import gguf
 
     file = gguf.locate(name_or_path)
     spec = {"kind": "gguf", "sha256": file.sha256, "converter": gguf.CONVERTER_VERSION}
     path = cache_dir / f"gguf-{stable_hash(spec)}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
-    with FileLock(str(path) + ".lock"):
+    with file_lock(path):
         if not path.exists():
             text, bos = gguf.read_tokenizer(file)
             with atomic_path(path) as tmp:
@@ -188,10 +186,8 @@ def build_tokenizer(
     spec = {"kind": "bpe", "vocab_size": cfg.vocab_size, "train_hash": train_hash}
     path = cache_dir / f"bpe-{stable_hash(spec)}.json"
     if not path.exists():
-        from filelock import FileLock
-
         path.parent.mkdir(parents=True, exist_ok=True)
-        with FileLock(str(path) + ".lock"):
+        with file_lock(path):
             if not path.exists():
                 train_bpe(train_texts, cfg.vocab_size, path)
     return BPETokenizer(path, spec)

@@ -23,13 +23,12 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from filelock import FileLock
 from safetensors.torch import load_file, save_file
 
 from evictlab.eval.full import FullAttention, FullReference
 from evictlab.eval.spec import StreamSpec
 from evictlab.models.gpt import GPT
-from evictlab.store import stable_hash, write_atomic
+from evictlab.store import file_lock, stable_hash, write_atomic
 
 STORE_FORMAT = 3  # 3: FullAttention with its log normalisers (2: without; 1 held the attention rows)
 MAX_BYTES = 8 << 30  # larger entries are computed by each run, not stored (log-probs: B x n x vocab floats)
@@ -63,7 +62,7 @@ class SharedReferences:
         path = self.root / f"{self.key(model, batch, spec, attention)}.safetensors"
         path.parent.mkdir(parents=True, exist_ok=True)
         L, n = model.cfg.n_layer, batch.shape[1] - 1
-        with FileLock(str(path) + ".lock"):
+        with file_lock(path):
             stored = self._load(path, L if attention else 0, (batch.shape[0], n))
             if stored is not None:
                 self.read += 1

@@ -22,13 +22,12 @@ from pathlib import Path
 
 import pandas as pd
 import torch
-from filelock import FileLock
 
 from evictlab.data.dataset import Corpus
 from evictlab.data.streams import eval_streams
 from evictlab.eval.full import attention_summary
 from evictlab.models.gpt import GPT
-from evictlab.store import stable_hash, write_json
+from evictlab.store import file_lock, stable_hash, write_json
 
 # part of the cached metrics' key: bump when their definition changes (2: the share at three thresholds)
 SINK_FORMAT = 2
@@ -99,7 +98,7 @@ def cached_sink_metrics(
     )
     path = Path(root) / f"{key}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
-    with FileLock(str(path) + ".lock"):
+    with file_lock(path):
         try:
             stored = json.loads(path.read_text())
             layers = pd.DataFrame(stored["layers"], columns=["layer", "head", "metric", "value"])

@@ -44,16 +44,23 @@ class EvictlabSweeper(BasicSweeper):
             del cfg["hydra"]
         return to_objects(cfg)
 
-    def finished(self, job: list[str]) -> bool:
-        """Does this job's run folder already hold a finished run? (A job that does not validate is not
-        finished: it is launched and fails there, in one line.)"""
+    def folder(self, job: list[str]) -> Path | None:
+        """The job's run folder, or None for a job that does not validate (it is launched and fails there,
+        in one line)."""
         from evictlab.errors import ConfigError
-        from evictlab.identity import is_done, run_dir
+        from evictlab.identity import run_dir
 
         try:
-            return is_done(run_dir(self.job_config(job)))
+            return run_dir(self.job_config(job))
         except ConfigError:
-            return False
+            return None
+
+    def finished(self, job: list[str]) -> bool:
+        """Does this job's run folder already hold a finished run?"""
+        from evictlab.identity import is_done
+
+        folder = self.folder(job)
+        return folder is not None and is_done(folder)
 
     def sweep(self, arguments: list[str]) -> Any:
         """Hydra's basic sweep, with failures collected instead of raised at the first one."""
@@ -121,12 +128,32 @@ class EvictlabSweeper(BasicSweeper):
         write_json(out / R.METRICS, {"status": "failed", "run_key": key, "error": f"KilledError: {why}"})
 
     def split_arguments(self, overrides: Any, max_batch_size: int | None) -> list[list[list[str]]]:
+        """The grid's jobs, one per run: jobs that map to one run folder (the full cache at every budget,
+        jobs that differ only in keys no result depends on) launch once, and finished runs not at all."""
+        from evictlab.identity import is_done
+
         batches = BasicSweeper.split_arguments(overrides, max_batch_size)
-        todo = [[job for job in batch if not self.finished(job)] for batch in batches]
-        total, left = sum(map(len, batches)), sum(map(len, todo))
-        if left < total:
-            print(f"{total - left} of {total} runs already finished: not launched", file=sys.stderr)
-        return [batch for batch in todo if batch]
+        jobs = [job for batch in batches for job in batch]
+        folders = [self.folder(job) for job in jobs]
+        runs = {f for f in folders if f is not None} | {i for i, f in enumerate(folders) if f is None}
+        seen, todo = set(), []
+        for job, folder in zip(jobs, folders, strict=True):
+            if folder is None:
+                todo.append(job)
+            elif folder not in seen:
+                seen.add(folder)
+                if not is_done(folder):
+                    todo.append(job)
+        done = len(runs) - len(todo)
+        shared = f" ({len(jobs)} jobs: some share a run, as the full cache's one run serves every budget)"
+        if done:
+            print(
+                f"{done} of {len(runs)} runs already finished: not launched"
+                + (shared if len(runs) < len(jobs) else ""),
+                file=sys.stderr,
+            )
+        size = max_batch_size or len(todo) or 1
+        return [todo[i : i + size] for i in range(0, len(todo), size)]
 
 
 def watch_with_squeue_without_accounting() -> None:

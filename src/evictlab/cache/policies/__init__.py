@@ -6,6 +6,7 @@ Adding a policy = adding one file here with a `@register` dataclass; the shared 
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import pkgutil
 
@@ -31,6 +32,13 @@ def make_policy(name: str, **params) -> Policy:
     if name not in POLICIES:
         raise ConfigError(f"unknown strategy {name!r}; known: {', '.join(sorted(POLICIES))}")
     cls = POLICIES[name]
+    valid = [f.name for f in dataclasses.fields(cls) if f.init]
+    unknown = sorted(set(params) - set(valid))
+    if unknown:
+        raise ConfigError(
+            f"strategy {name!r} has no parameter {', '.join(unknown)}; its parameters: "
+            f"{', '.join(f'strategy.params.{v}' for v in valid) or 'none'}"
+        )
     try:
         return cls(**params)
     except TypeError as e:
