@@ -73,11 +73,12 @@ report: ## Aggregate a sweep, then its figures + HTML report: make report EXP=de
 	$(PY) -m evictlab.aggregate $(OUT)/runs/$(GROUP)
 	$(PY) -m evictlab.report $(OUT)/runs/$(GROUP)
 
-smoke: ## A two-minute sweep on a tiny model (EXP=smoke)
+smoke: ## A small sweep on a tiny model (EXP=smoke; 37 s measured)
 	$(MAKE) sweep EXP=smoke
 
-print-config: ## Print the composed config of EXP (with its sweep) without running anything
-	$(PY) -m evictlab.run +experiment=$(EXP) --cfg all $(ARGS)
+print-config: ## Print the job config of EXP, then its sweep grid, without running anything
+	$(PY) -m evictlab.run +experiment=$(EXP) --cfg job $(ARGS)
+	$(PY) -m evictlab.run +experiment=$(EXP) --cfg hydra --package hydra.sweeper.params $(ARGS)
 
 sync: ## Upload offline W&B runs (needs a network and `wandb login`)
 	@if ls -d $(OUT)/wandb/offline-run-* >/dev/null 2>&1; then \

@@ -6,7 +6,7 @@
 Workload: gpt_small with random weights, `--docs` documents x `--length` tokens, budget `--budget`,
 `--threads` torch threads. The reference loop (batch 1, torch.cat) streams `--ref-docs` documents;
 the engine streams all of them. Writes outputs/bench/latest.json (one row per policy x mode) and
-prints the table that README quotes.
+prints the table that benchmarks/README.md quotes.
 """
 
 from __future__ import annotations

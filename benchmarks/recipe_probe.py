@@ -14,7 +14,8 @@ strongest head's alpha (eval/sinks.py),
 and the functional test: perplexity of 8 held-out streams of train.seq_len tokens under the full cache, a
 window and StreamingLLM (4 sinks, original positions) at budget 64, with `window_over_sinks` = ppl(window)
 / ppl(StreamingLLM).
-This is the instrument behind the recipe notes in README ("Attention sinks").
+This is the instrument behind the recipe notes in experiments/streaming_quality/README.md ("How the
+paper subject's recipe was found").
 """
 
 from __future__ import annotations

@@ -216,8 +216,9 @@ class EvalConfig:
     # predictions per stream; past it those metrics are absent (NaN), and the full cache cannot run
     full_max_len: int = field(default=4096, metadata=neutral(4096))
     # run the token loop (not the blocked path) with its steady-state step through torch.compile: 3-15 s to
-    # compile, then ~2.7x the eager loop, though the blocked path was faster still at batch 1 (README "Long
-    # streams"); per-token NLL moves by float rounding only (<= 1e-6), like eval.threads
+    # compile, then ~2.7x the eager loop, though the blocked path was faster still at batch 1
+    # (benchmarks/README.md "Long streams"); per-token NLL moves by float rounding only (<= 1e-6), like
+    # eval.threads
     compile: bool = field(default=False, metadata=KEYLESS)
     # runs that stream the same tokens through the same checkpoint share one full-cache reference, stored
     # under outputs/cache/references (eval/shared.py); false: every run computes its own (the same numbers)

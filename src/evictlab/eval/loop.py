@@ -348,7 +348,7 @@ def stream_loop(
     Once every layer's cache is full (`TokenLoop.steady_from`) each step is the same computation on the
     same shapes: the loop then passes the step index as a tensor and, with `compile`, runs the step
     through `torch.compile` (one graph for all steady steps; 3-15 s to compile here, then about 2.7x
-    the eager token rate at batch 1: worth it on long streams, see README "Long streams")."""
+    the eager token rate at batch 1: worth it on long streams, see benchmarks/README.md "Long streams")."""
     tokens = tokens.clone() if generate_from is not None else tokens
     inp, tgt = tokens[:, :-1], tokens[:, 1:]  # views: generated tokens become the next inputs
     B, n = inp.shape

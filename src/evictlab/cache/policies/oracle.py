@@ -15,7 +15,8 @@ class Oracle(Policy):
     choice, not an upper bound: once entries are gone the policy's own future attention differs from the
     full cache's, and each eviction ignores what later evictions will need. It can lose to a plain
     window: gpt_tiny (train=tiny), budget 16, 8 streams x 512 tokens, seed 0: perplexity 25.81 against
-    23.50 for a window and 23.47 for H2O (full cache 23.44; README "Policies")."""
+    23.50 for a window and 23.47 for H2O (full cache 23.44; `python -m evictlab.run model=gpt_tiny train=tiny
+    strategy=oracle budget=b16`, and the same with strategy=window|h2o)."""
 
     name: ClassVar[str] = "oracle"
     label: ClassVar[str] = "oracle (non-causal, greedy)"
