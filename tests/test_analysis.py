@@ -263,6 +263,66 @@ def test_each_group_gets_its_own_world_readable_report(sweep: Path, tmp_path: Pa
     assert group_of(tmp_path / "elsewhere") == "elsewhere"
 
 
+def browser() -> str | None:
+    """Chromium (Debian's `chromium`, or Chrome), or None; $EVICTLAB_REQUIRE_BROWSER=1 (CI sets it) makes a
+    missing one a failure instead of a skip."""
+    import os
+    import shutil
+
+    found = next(filter(None, map(shutil.which, ("chromium", "chromium-browser", "google-chrome"))), None)
+    if found is None and os.environ.get("EVICTLAB_REQUIRE_BROWSER") == "1":
+        pytest.fail("EVICTLAB_REQUIRE_BROWSER=1 but no chromium: apt-get install chromium")
+    return found
+
+
+# appended to a copy of the page: after load, record which images decoded and what the tables hold
+PROBE = """<script>addEventListener('load', () => {
+  const b = document.body.dataset;
+  b.decoded = [...document.images].filter(i => i.complete && i.naturalWidth > 0).map(i => i.alt).join(',');
+  b.tables = document.querySelectorAll('table').length;
+  b.headings = [...document.querySelectorAll('h2')].map(h => h.textContent).join('|');
+})</script>"""
+
+
+def render(chrome: str, page: Path, tmp: Path) -> dict[str, str]:
+    """The page as headless Chromium rendered it: the probe's data attributes of <body>."""
+    import re
+    import subprocess
+
+    probed = tmp / f"probed-{page.parent.name}.html"
+    probed.write_text(page.read_text().replace("</body>", PROBE + "</body>"))
+    flags = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+             "--disable-background-networking", "--disable-component-update", "--disable-sync",
+             f"--user-data-dir={tmp / 'chromium'}", "--virtual-time-budget=5000", "--dump-dom"]  # fmt: skip
+    dom = subprocess.run(
+        [chrome, *flags, probed.as_uri()], capture_output=True, text=True, timeout=120, check=True
+    ).stdout
+    body = re.search(r"<body([^>]*)>", dom)
+    assert body, dom[:500]
+    return dict(re.findall(r'data-([a-z]+)="([^"]*)"', body.group(1)))
+
+
+def test_reports_render_in_a_real_browser(sweep: Path, tmp_path: Path, monkeypatch):
+    """Two groups' reports, each opened in headless Chromium: every figure decodes as an image, the
+    tables are there, and the second report did not replace the first."""
+    import shutil
+
+    chrome = browser()
+    if chrome is None:
+        pytest.skip("no chromium (apt-get install chromium); CI installs it")
+    aggregate([sweep], sweep)
+    outputs = tmp_path / "outputs"
+    monkeypatch.setenv("EVICTLAB_OUTPUTS", str(outputs))
+    figs = set(F.draw_all(load_tables(sweep)))
+    for group in ("first", "second"):
+        shutil.copytree(sweep, outputs / "runs" / group)
+        assert report_main([str(outputs / "runs" / group), "--no-wandb"]) == 0
+    for group in ("first", "second"):
+        seen = render(chrome, outputs / "report" / group / "index.html", tmp_path)
+        assert set(seen["decoded"].split(",")) == figs, seen
+        assert int(seen["tables"]) >= 2 and "Headline numbers" in seen["headings"], seen
+
+
 def test_report_cli_bad_input(tmp_path: Path, capsys):
     assert report_main([str(tmp_path / "nope")]) == 2
     assert "no such sweep folder" in capsys.readouterr().err
