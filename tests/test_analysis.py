@@ -323,6 +323,27 @@ def test_reports_render_in_a_real_browser(sweep: Path, tmp_path: Path, monkeypat
         assert int(seen["tables"]) >= 2 and "Headline numbers" in seen["headings"], seen
 
 
+def test_the_report_flags_thin_cis_formats_numbers_and_shares_only_shared_settings(sweep: Path):
+    from evictlab.analysis.aggregate import subject_lines
+    from evictlab.analysis.report import MIN_UNITS, headline_table, shared_settings
+
+    aggregate([sweep], sweep)
+    tables = load_tables(sweep)
+    head = headline_table(tables)
+    thin = head["units (seed x stream)"] < MIN_UNITS
+    assert thin.any() and (thin == head["perplexity [95% CI]"].str.endswith(" *")).all()
+    full = head[head["strategy"] == POLICIES["full"].label]
+    assert set(full["kl_mean"]) == {"0.0000"} and set(full["agreement"]) == {"1.000"}
+    shared = shared_settings(tables["results"])
+    assert shared["cfg.model.name"] == "gpt_tiny" and shared["cfg.group"] == "t"
+    assert not [k for k in shared.index if k.startswith(("cfg.strategy.", "cfg.seed", "cfg.budget."))]
+    assert "cfg.tokenizer.vocab_size" not in shared  # the byte tokenizer has no vocabulary size to set
+    assert not shared.isna().any()
+    lines = subject_lines(tables["results"])
+    assert lines[0].startswith("gpt_tiny (") and ", weights sha256 " in lines[0]
+    assert any(line.startswith("evictlab commit ") for line in lines)
+
+
 def test_report_cli_bad_input(tmp_path: Path, capsys):
     assert report_main([str(tmp_path / "nope")]) == 2
     assert "no such sweep folder" in capsys.readouterr().err

@@ -368,7 +368,10 @@ def test_a_run_of_weights_since_replaced_is_redone_and_aggregation_refuses_a_mix
     shutil.rmtree(stale)
     assert aggregate_main([str(d.parent)]) == 0
     out = capsys.readouterr().out
-    assert f"gpt_tiny ({first['checkpoint']}) on " in out and "warning" not in out
+    assert f"gpt_tiny ({first['checkpoint']}, weights sha256 {new_hash[:12]}...) on " in out
+    assert "warning" not in out
+    commit = read_json(d / "run_info.json")["git"]["commit"]
+    assert f"evictlab commit {str(commit)[:12]}" in out  # the commit the runs ran at
     # a sweep that mixes models says so (the runs' metrics as another model's would be)
     other = d.parent / f"window-b16-{'1' * 16}"
     shutil.copytree(d, other)

@@ -57,7 +57,7 @@ def load_run(d: Path) -> tuple[dict[str, Any] | None, dict[str, Any], pd.DataFra
     """(metrics, flattened config, per-token frame) of one run; metrics None when missing, the frame None
     unless the run is a sound finished run of a format that means what the current one does
     (`failure_row` says why not)."""
-    cfg = flatten(yaml.safe_load((d / R.CONFIG).read_text()) or {}, "cfg.")
+    cfg = flatten(yaml.safe_load((d / R.CONFIG).read_text()) or {}, "cfg.") | provenance(d)
     try:
         metrics = read_json(d / R.METRICS)
     except (OSError, ValueError):
@@ -70,6 +70,15 @@ def load_run(d: Path) -> tuple[dict[str, Any] | None, dict[str, Any], pd.DataFra
     ):
         per_token = pd.read_parquet(d / R.PER_TOKEN)
     return metrics, cfg, per_token
+
+
+def provenance(d: Path) -> dict[str, Any]:
+    """The evictlab commit a run ran at (`info.git_commit`, `info.git_dirty`), from its run_info.json."""
+    try:
+        git = read_json(d / R.RUN_INFO).get("git") or {}
+    except (OSError, ValueError, AttributeError):
+        git = {}
+    return {"info.git_commit": git.get("commit"), "info.git_dirty": git.get("dirty")}
 
 
 def failure_row(d: Path, metrics: dict[str, Any] | None, cfg: dict[str, Any], per_token) -> dict | None:
@@ -167,9 +176,26 @@ def check_weights(results: pd.DataFrame) -> None:
             )
 
 
+def _weights(row: pd.Series) -> str:
+    sha = row.get("weights_sha256")
+    return f", weights sha256 {sha[:12]}..." if isinstance(sha, str) and sha else ""
+
+
+def commit_lines(results: pd.DataFrame) -> list[str]:
+    """The evictlab commit(s) the runs ran at, each with its run count (dirty: with uncommitted changes)."""
+    if "info.git_commit" not in results or results.empty:
+        return []
+    runs = results.drop_duplicates("run_dir" if "run_dir" in results else "run_key")
+    dirty = runs["info.git_dirty"].fillna(False).astype(bool) if "info.git_dirty" in runs else False
+    label = runs["info.git_commit"].fillna("unknown").astype(str).str[:12] + np.where(dirty, " (dirty)", "")
+    counts = label.value_counts()
+    return [f"evictlab commit {c}: {n} run(s)" for c, n in counts.items()]
+
+
 def subjects(results: pd.DataFrame) -> pd.DataFrame:
-    """The models and datasets a sweep holds: one row per (model, checkpoint, dataset) with its run count."""
-    cols = [c for c in ("model", "checkpoint", "dataset") if c in results]
+    """The models and datasets a sweep holds: one row per (model, checkpoint, weights, dataset) with its
+    run count."""
+    cols = [c for c in ("model", "checkpoint", "weights_sha256", "dataset") if c in results]
     if results.empty or not cols:
         return pd.DataFrame(columns=[*cols, "runs"])
     runs = results.drop_duplicates("run_dir" if "run_dir" in results else "run_key")
@@ -182,8 +208,10 @@ def subject_lines(results: pd.DataFrame) -> list[str]:
     if s.empty:
         return []
     lines = [
-        f"{r['model']} ({r['checkpoint']}) on {r['dataset']}: {r['runs']} run(s)" for _, r in s.iterrows()
+        f"{r['model']} ({r['checkpoint']}{_weights(r)}) on {r['dataset']}: {r['runs']} run(s)"
+        for _, r in s.iterrows()
     ]
+    lines += commit_lines(results)
     for col in ("model", "dataset"):
         if col in s and s[col].nunique() > 1:
             names = ", ".join(map(str, s[col].unique()))

@@ -28,6 +28,15 @@ from evictlab.analysis import figures as F
 from evictlab.analysis.aggregate import check_folders, run_dirs, subject_lines, wide
 from evictlab.store import git_info, outputs_dir, write_atomic
 
+# a perplexity CI over fewer independent units (seed x stream) than this is flagged (*) in the report
+MIN_UNITS = 8
+# the small GPT's shape fields, which an imported checkpoint (model.name_or_path) replaces with its own
+IMPORTED_SHAPE = (
+    "n_layer", "n_head", "n_kv_head", "n_embd", "mlp_ratio", "mlp_hidden", "pos_emb", "rope_base",
+    "block_size", "norm", "norm_eps", "act", "bias", "qkv_bias", "rotary_dim", "parallel_residual",
+    "init_std", "vocab_size",
+)  # fmt: skip
+
 
 def load_tables(folder: Path) -> dict[str, pd.DataFrame]:
     """A sweep folder's (or snapshot's) aggregated tables, plus `runs` (one row per run) and failures."""
@@ -50,7 +59,8 @@ def headline_table(tables: dict[str, pd.DataFrame]) -> pd.DataFrame:
             keys = [col, *keys]
     ppl = F.summarize_streams(streams, "nll", np.exp, keys)
     ppl["perplexity [95% CI]"] = [
-        f"{p:.3f} [{lo:.3f}, {hi:.3f}]" for p, lo, hi in ppl[["point", "low", "high"]].values
+        f"{p:.3f} [{lo:.3f}, {hi:.3f}]{' *' if n < MIN_UNITS else ''}"
+        for p, lo, hi, n in ppl[["point", "low", "high", "n"]].values
     ]
     extra = runs.groupby(keys, as_index=False)[[c for c in ("kl_mean", "agreement", "kv_bytes") if c in runs]]
     t = ppl[[*keys, "perplexity [95% CI]", "n"]].merge(extra.mean(), on=keys, how="left")
@@ -58,7 +68,27 @@ def headline_table(tables: dict[str, pd.DataFrame]) -> pd.DataFrame:
     t["order"] = t["strategy"].map(P.order)
     t = t.sort_values([*keys[:-3], "position_mode", "order", "budget"]).drop(columns="order")
     t["strategy"] = t["strategy"].map(P.label)
+    for col, fmt in (("kl_mean", "{:.4f}"), ("agreement", "{:.3f}"), ("kv_KiB", "{:,.0f}")):
+        if col in t:  # fixed decimals: the full cache's KL reads 0.0000, not 6.022e-09
+            t[col] = [fmt.format(v) if pd.notna(v) else "-" for v in t[col]]
+    t["budget"] = t["budget"].astype(int)
     return t.rename(columns={"n": "units (seed x stream)"})
+
+
+def shared_settings(results: pd.DataFrame) -> pd.Series:
+    """The config values every run of the sweep shares and uses: a setting some runs lack (one policy's
+    parameter) or that none uses (a BPE vocabulary size under the byte tokenizer; the small GPT's shape
+    fields when the model is imported from a checkpoint, which brings its own) is left out."""
+    runs = results.drop_duplicates("run_dir" if "run_dir" in results else "run_key")
+    cols = [c for c in runs if c.startswith("cfg.")]
+    shared = [c for c in cols if runs[c].notna().all() and runs[c].astype(str).nunique() == 1]
+    row = runs.iloc[0]
+    unused = set()
+    if row.get("cfg.tokenizer.kind") != "bpe":
+        unused.add("cfg.tokenizer.vocab_size")
+    if isinstance(row.get("cfg.model.name_or_path"), str):
+        unused |= {f"cfg.model.{k}" for k in IMPORTED_SHAPE}
+    return row[[c for c in shared if c not in unused]]
 
 
 def _ci(a) -> str:
@@ -131,18 +161,26 @@ def write_report(path: Path, tables: dict[str, pd.DataFrame], figs: dict[str, Fi
     parts.append("<h2>Models and datasets</h2><ul>" + "".join(items) + "</ul>")
     if len(failures):
         parts.append("<h2>Failed or unfinished runs</h2>" + failures.to_html(index=False))
-    headline = headline_table(tables).to_html(index=False, float_format="%.4g")
-    parts.append("<h2>Headline numbers</h2>" + headline)
+    head = headline_table(tables)
+    parts.append("<h2>Headline numbers</h2>" + head.to_html(index=False, float_format="%.4g"))
+    parts.append(
+        "<p>Perplexity CIs: 95% bootstrap over the independent units counted in "
+        "<code>units (seed x stream)</code>"
+        + (
+            f"; <span class='warning'>* fewer than {MIN_UNITS} units: too few for a reliable interval"
+            "</span>.</p>"
+            if head["perplexity [95% CI]"].str.endswith("*").any()
+            else ".</p>"
+        )
+    )
     if "variant" in tables["streams"] and tables["streams"]["variant"].nunique() > 1:
         variant = variant_table(tables).to_html(index=False, float_format="%.3f")
         parts.append("<h2>Training variants</h2>" + variant)
     for name, fig in figs.items():
         img = f"<img alt='{name}' src='data:image/png;base64,{_png_b64(fig)}'>"
         parts.append(f"<h2 id='{name}'>{name.replace('_', ' ')}</h2>{img}")
-    cfg_cols = sorted(c for c in tables["results"] if c.startswith("cfg."))
-    if cfg_cols:
-        shared = tables["results"][cfg_cols].astype(str).nunique() == 1
-        common = tables["results"].iloc[0][[c for c in cfg_cols if shared[c]]]
+    common = shared_settings(tables["results"]).sort_index()
+    if len(common):
         parts.append("<h2>Configuration shared by every run</h2>" + common.to_frame("value").to_html())
     parts.append("</body></html>")
     text = "\n".join(parts)
