@@ -72,3 +72,16 @@ def test_bad_input_fails_in_one_line_and_writes_nothing(overrides, expect, tmp_p
     assert "Traceback" not in res.stderr
     assert not (outputs / "checkpoints").exists() or not any((outputs / "checkpoints").iterdir())
     assert not any((outputs / "cache").rglob("*.npz")) if (outputs / "cache").exists() else True
+
+
+def test_help_describes_evictlabs_own_groups_and_keys(tmp_path: Path):
+    res = run_cli("evictlab.run", "--help", outputs=tmp_path / "outputs")
+    assert res.returncode == 0, res.stderr
+    out = res.stdout
+    assert out.startswith("evictlab: ") and "budget=100" in out
+    groups = out.split("== Config groups (GROUP=OPTION) ==")[1].split("==")[0]
+    names = {line.split(":")[0] for line in groups.strip().splitlines()}
+    assert {"model", "dataset", "strategy", "budget", "experiment", "variant"} <= names
+    assert not [n for n in names if n.startswith("hydra")]  # Hydra's own groups stay in --hydra-help
+    assert "strategy:" in out.split("== Keys and their defaults")[1]
+    assert not (tmp_path / "outputs").exists()

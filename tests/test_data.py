@@ -106,9 +106,11 @@ def test_byte_tokenizer_round_trip():
     assert tok.decode([tok.bos_id, *ids]) == "<bos>" + text
 
 
-def test_bpe_trains_on_train_split_and_is_cached(outputs: Path):
+def test_bpe_trains_on_train_split_and_is_cached(outputs: Path, capsys):
     tok_cfg = TokenizerConfig(kind="bpe", vocab_size=400)
     corpus = load_corpus(DatasetConfig(), tok_cfg, outputs)
+    said = capsys.readouterr().err  # the training says what it does, then how long it took
+    assert "training a BPE tokenizer (400 tokens) on " in said and "BPE tokenizer trained in " in said
     tok = corpus.tokenizer
     assert tok.vocab_size == 400 and {tok.bos_id, tok.sink_id} <= set(range(400))
     text = "The with statement is used to wrap the execution of a block."
@@ -119,6 +121,7 @@ def test_bpe_trains_on_train_split_and_is_cached(outputs: Path):
     mtime = files[0].stat().st_mtime_ns
     again = load_corpus(DatasetConfig(), tok_cfg, outputs)
     assert files[0].stat().st_mtime_ns == mtime  # not retrained
+    assert "training a BPE" not in capsys.readouterr().err
     assert again.data_hash == corpus.data_hash
     assert again.data_hash != load_corpus(DatasetConfig(), TokenizerConfig(), outputs).data_hash
 

@@ -309,3 +309,16 @@ def test_a_full_disk_gives_one_clear_error_and_leaves_nothing_half_written(outpu
     monkeypatch.undo()
     assert not [p for p in (outputs / "checkpoints").iterdir() if p.name != ".locks"]
     assert not get_checkpoint(cfg).cached  # space back: trained and written whole
+
+
+def test_the_training_line_gives_small_floor_shares_two_digits():
+    from evictlab.train import Checkpoint, summary
+
+    meta = {
+        "model": {"name": "gpt_tiny"}, "params": 49_000, "val_bpb": 3.1, "wall_s": 12.0,
+        "baselines": {"unigram_val_bpb": 4.7, "bigram_val_bpb": 3.3}, "tokens_per_s": 9000.0,
+    }  # fmt: skip
+    line = summary(Checkpoint(Path("ck"), None, meta | {"floor_fraction": 0.0031}, cached=False), 12.0)
+    assert "= 0.31% of the FLOP floor" in line  # was "= 0%"
+    line = summary(Checkpoint(Path("ck"), None, meta | {"floor_fraction": 0.314}, cached=False), 12.0)
+    assert "= 31% of the FLOP floor" in line

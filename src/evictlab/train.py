@@ -554,7 +554,7 @@ def summary(ck: Checkpoint, seconds: float) -> str:
         f"{m['model']['name']} ({m['params']:,} params) {how}: val {m['val_bpb']:.3f} bits/byte "
         f"(unigram {base['unigram_val_bpb']:.3f}, bigram {base['bigram_val_bpb']:.3f}), "
         f"{m['tokens_per_s']:,.0f} train tok/s"
-        + (f" = {100 * m['floor_fraction']:.0f}% of the FLOP floor" if m.get("floor_fraction") else "")
+        + (f" = {100 * m['floor_fraction']:.2g}% of the FLOP floor" if m.get("floor_fraction") else "")
         + f"\n  -> {ck.path}"
     )
 

@@ -7,6 +7,8 @@ optional learnable dedicated attention-sink token).
 from __future__ import annotations
 
 import json
+import sys
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from enum import Enum
@@ -166,9 +168,18 @@ def train_bpe(texts: list[str], vocab_size: int, dest: Path) -> None:
         vocab_size=vocab_size,
         special_tokens=[BOS, SINK],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
+        show_progress=sys.stderr.isatty(),  # the library's own bars, on a terminal
     )
+    mb = sum(len(t) for t in texts) / 1e6
+    print(
+        f"training a BPE tokenizer ({vocab_size} tokens) on {len(texts):,} documents ({mb:.1f} MB); "
+        "cached after this",
+        file=sys.stderr,
+        flush=True,
+    )
+    start = time.perf_counter()
     tok.train_from_iterator(texts, trainer=trainer)
+    print(f"BPE tokenizer trained in {time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)
     with atomic_path(dest) as tmp:
         tok.save(str(tmp))
 
