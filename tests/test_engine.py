@@ -14,6 +14,7 @@ from evictlab.data import load_corpus
 from evictlab.data.streams import eval_streams
 from evictlab.errors import ConfigError
 from evictlab.eval import StreamSpec, full_reference, stream
+from evictlab.eval.engine import BLOCK_STEPS, plan
 from evictlab.eval.evaluate import evaluate, kv_bytes
 from evictlab.eval.static import BandCache
 from evictlab.models.gpt import GPT, GPTConfig
@@ -57,7 +58,7 @@ def test_bad_budgets_fail_before_work(model, tokens, name, params, budget, match
     [
         ("belady", {}, "unknown strategy 'belady'; known: full, h2o, l2norm"),
         ("h2o", {"recent_fraction": 1.5}, "recent_fraction=1.5 must be in"),
-        ("h2o", {"heavy": 3}, "unexpected keyword argument 'heavy'"),
+        ("h2o", {"heavy": 3}, "has no parameter heavy; its parameters: strategy.params.recent_fraction"),
         ("streaming_llm", {"n_sink": -1}, "n_sink=-1"),
         ("random", {"seed": 1.5}, "must be an integer"),
         ("scissorhands", {"history_window": 0}, "history_window=0"),
@@ -351,3 +352,54 @@ def test_compile_failure_falls_back_to_the_eager_loop(model, tokens, monkeypatch
         compiled = StreamSpec(**{**vars(spec), "compile": True})
         fallback = stream(model, tokens, make_policy("h2o"), 12, compiled)
     np.testing.assert_array_equal(fallback.nll, eager.nll)
+
+
+# the engine's one decision, as a table: (policy, stream settings, T) -> (path, block)
+PLANS = [
+    ("full", {}, 512, "parallel", 128),
+    ("full", {}, 65536, "parallel", 2048),  # the full cache's block grows with the stream (T / 16)
+    ("full", {"block": 256}, 65536, "parallel", 256),
+    ("window", {}, 65536, "parallel", 128),
+    ("streaming_llm", {"position_mode": "cache"}, 512, "parallel", 128),
+    ("streaming_llm", {"compile": True}, 512, "parallel", 128),  # compile applies to the loop only
+    ("streaming_llm", {"force_loop": True}, 512, "loop", 1),
+    ("h2o", {}, 512, "blocked", 128),
+    ("tova", {"position_mode": "cache"}, 512, "blocked", 128),
+    ("oracle", {}, 512, "blocked", 128),
+    ("h2o", {"block": 32}, 512, "blocked", 32),
+    ("h2o", {"compile": True}, 512, "loop", 1),
+    ("scissorhands", {"force_loop": True}, 512, "loop", 1),
+    ("recompute_window", {}, 512, "recompute", 2048),
+    ("recompute_window", {"block": 64}, 512, "recompute", 64),
+]
+
+
+@pytest.mark.parametrize("name, settings, T, path, block", PLANS, ids=[str(p[:3]) for p in PLANS])
+def test_the_plan_table(name, settings, T, path, block):
+    from evictlab.eval.spec import PositionMode
+
+    settings = {k: PositionMode(v) if k == "position_mode" else v for k, v in settings.items()}
+    p = plan(make_policy(name), 64, StreamSpec(**settings), 4, T)
+    assert (p.path, p.block) == (path, block)
+    held = T - 1 if name == "full" else 64  # the full cache holds every scored position
+    assert p.budgets == (held,) * 4 and p.compiled == (path == "loop" and settings.get("compile", False))
+    assert BLOCK_STEPS == 128
+
+
+def test_the_plan_is_what_ran_and_what_metrics_record():
+    model = GPT(GPTConfig(name="t", vocab_size=40, n_layer=2, n_head=2, n_embd=16)).eval()
+    tokens = torch.randint(0, 40, (2, 65), generator=torch.Generator().manual_seed(0))
+    for name, path in (("window", "parallel"), ("h2o", "blocked"), ("recompute_window", "recompute")):
+        policy = make_policy(name)
+        expected = plan(policy, 8, StreamSpec(), 2, 65)
+        out = stream(model, tokens, policy, 8, StreamSpec())
+        assert (out.path, out.block, tuple(out.budgets)) == (path, expected.block, expected.budgets)
+    res = evaluate(model, tokens, make_policy("h2o"), 8, StreamSpec(diagnostics=False))
+    assert res.summary["path"] == "blocked" and res.summary["block"] == 128
+
+
+def test_a_recompute_plan_needs_one_window_for_every_layer():
+    from evictlab.cache.budget import Allocation
+
+    with pytest.raises(ConfigError, match="allocation=uniform"):
+        plan(make_policy("recompute_window"), 64, StreamSpec(allocation=Allocation.pyramid), 4, 512)

@@ -11,7 +11,7 @@ import torch
 from evictlab.cache import POLICIES, make_policy
 from evictlab.cache.policies import StepContext, choose_victim
 from evictlab.eval import PositionMode, StreamSpec, full_reference, reference_stream, stream
-from evictlab.eval.engine import parallel_ok
+from evictlab.eval.engine import plan
 from evictlab.models.gpt import GPT, GPTConfig
 
 T = 40  # stream length (tokens, prefix included): 39 predicted tokens
@@ -144,7 +144,12 @@ def assert_same_stream(fast, loop) -> None:
     assert torch.equal(fast.occupancy, loop.occupancy)
 
 
-PARALLEL = [(n, m) for n in NAMES for m in MODES if parallel_ok(make_policy(n), PositionMode(m))]
+PARALLEL = [
+    (n, m)
+    for n in NAMES
+    for m in MODES
+    if plan(make_policy(n), 16, StreamSpec(position_mode=PositionMode(m)), 2, 64).path == "parallel"
+]
 
 
 def test_parallel_path_exists_for_the_position_static_policies():

@@ -1,6 +1,9 @@
 """The streaming engine: teacher-forced decoding of a batch of documents through a fixed-budget KV cache.
 
-Four exact paths, chosen from the policy's own flags (``spec.force_loop`` always takes the token loop):
+`plan(policy, budget, spec, n_layer, T)` decides, in one place and from nothing but the policy's flags and
+the settings, how a stream runs: its path, the per-layer budgets and the block size. `stream` then calls
+that path's runner; every runner takes the same arguments and returns a `StreamOutput`. The paths, all
+exact (tests/test_policies.py holds each equal to the reference loop):
 
 * **parallel** - position-static policies (`static_window`) in both position modes (in ``cache`` mode a
   contiguous run keeps its distances and only the sinks move): blocks of queries, each over the keys
@@ -19,6 +22,7 @@ the entries kept after step t-1 (at most `budget`) plus itself; then the cache i
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -45,58 +49,107 @@ class StreamOutput:
     nll: torch.Tensor  # [B, n] per predicted token
     correct: torch.Tensor  # [B, n] 1 where the policy's top-1 prediction is the true token
     occupancy: torch.Tensor  # [n, L] entries held after each step
-    path: str  # parallel | blocked | loop | recompute
+    path: str  # parallel | blocked | loop | recompute (Plan.path)
     budgets: list[int]  # per layer
     kl: torch.Tensor | None = None  # [B, n] KL(p_full || p_policy)
     agree: torch.Tensor | None = None  # [B, n] top-1 agreement with the full cache
     lost: torch.Tensor | None = None  # [B, n, L] full-cache attention on entries the policy does not hold
     sink_mass: torch.Tensor | None = None  # [B, n, L] (full-cache attention on the first positions)
+    block: int = 0  # Plan.block
     seconds: float = 0.0
     policy_seconds: float = 0.0  # time inside policy scoring and victim selection
     compile_seconds: float = 0.0  # torch.compile of the loop's steady step (spec.compile), part of `seconds`
     kept: list[torch.Tensor] = field(default_factory=list)  # per layer [B, Hkv, S] final positions (loop)
 
 
-def parallel_ok(policy: Policy, mode: PositionMode) -> bool:
-    """Position-static policies, in both position modes (eval/static.py: the sinks in cache mode)."""
-    return not policy.recompute and policy.static_window(1) is not None
+@dataclass(frozen=True)
+class Plan:
+    """How one stream runs, decided before any work (`plan`); metrics.json records `path` and `block`."""
+
+    path: str  # parallel | blocked | loop | recompute
+    budgets: tuple[int, ...]  # KV entries each layer keeps between steps
+    block: int  # steps per block (queries per block on the parallel path); 1 on the token loop
+    compiled: bool = False  # the loop's steady step through torch.compile
 
 
-def _static_output(per_token: dict, tokens: torch.Tensor, budgets: list[int], path: str) -> StreamOutput:
+def plan(policy: Policy, budget: int, spec: StreamSpec, n_layer: int, T: int) -> Plan:
+    """The path, per-layer budgets and block size of a stream of T tokens: the engine's one decision."""
+    budgets = tuple(budgets_for(n_layer, policy, budget, spec.allocation, T - 1))
+    if policy.recompute:
+        if len(set(budgets)) != 1:
+            raise ConfigError(f"{policy.name} re-encodes one window for all layers: use allocation=uniform")
+        return Plan("recompute", budgets, spec.block)
+    windows = [policy.static_window(b) for b in budgets]
+    if windows[0] is not None and not spec.force_loop:
+        bounded = all(recent is not None for _, recent in windows)
+        # the full cache's blocks grow with the stream: each block re-reads every earlier key
+        block = BLOCK_STEPS if bounded else max(BLOCK_STEPS, T // 16)
+        return Plan("parallel", budgets, min(spec.block, block))
+    if not (spec.force_loop or spec.compile):
+        return Plan("blocked", budgets, min(spec.block, BLOCK_STEPS))
+    return Plan("loop", budgets, 1, compiled=spec.compile)
+
+
+Runner = Callable[..., StreamOutput]  # (model, tokens, policy, plan, reference, doc, spec) -> StreamOutput
+
+
+def _static_output(per_token: dict, tokens: torch.Tensor, p: Plan) -> StreamOutput:
+    """A static path's output: layer l holds min(step, budget_l) entries after each step."""
     steps = torch.arange(1, tokens.shape[1], device=tokens.device)
-    occupancy = torch.stack([steps.clamp(max=b) for b in budgets], dim=-1)
-    return StreamOutput(**per_token, occupancy=occupancy, path=path, budgets=budgets)
+    occupancy = torch.stack([steps.clamp(max=b) for b in p.budgets], dim=-1)
+    return StreamOutput(**per_token, occupancy=occupancy, path=p.path, budgets=list(p.budgets))
 
 
-def _loop_output(model, tokens, policy, budgets, ref, doc, spec: StreamSpec) -> StreamOutput:
-    mode, progress = spec.position_mode, spec.progress
-    per_token, loop, _ = stream_loop(
-        model, tokens, policy, budgets, mode, ref, doc, progress=progress, compile=spec.compile
+def run_parallel(model, tokens, policy, p: Plan, reference, doc, spec: StreamSpec) -> StreamOutput:
+    windows = [policy.static_window(b) for b in p.budgets]
+    cache_mode = spec.position_mode is PositionMode.cache
+    per_token = stream_static(model, tokens, windows, reference, p.block, cache_mode)
+    return _static_output(per_token, tokens, p)
+
+
+def run_recompute(model, tokens, policy, p: Plan, reference, doc, spec: StreamSpec) -> StreamOutput:
+    per_token = stream_recompute(model, tokens, p.budgets[0] + 1, reference, p.block)
+    return _static_output(per_token, tokens, p)
+
+
+def run_blocked(model, tokens, policy, p: Plan, reference, doc, spec: StreamSpec) -> StreamOutput:
+    budgets = list(p.budgets)
+    per_token, loop = stream_blocked(
+        model, tokens, policy, budgets, spec.position_mode, reference, doc, p.block
     )
-    lost = None if loop.lost is None else loop.lost.values
     return StreamOutput(
         **per_token,
         occupancy=loop.occupancy,
-        path="loop",
+        path=p.path,
         budgets=budgets,
-        lost=lost,
+        policy_seconds=loop.policy_seconds,
+        kept=[c.pos.clone() for c in loop.caches],
+    )
+
+
+def run_loop(model, tokens, policy, p: Plan, reference, doc, spec: StreamSpec) -> StreamOutput:
+    budgets, mode = list(p.budgets), spec.position_mode
+    per_token, loop, _ = stream_loop(
+        model, tokens, policy, budgets, mode, reference, doc, progress=spec.progress, compile=p.compiled
+    )
+    return StreamOutput(
+        **per_token,
+        occupancy=loop.occupancy,
+        path=p.path,
+        budgets=budgets,
+        lost=None if loop.lost is None else loop.lost.values,
         policy_seconds=loop.policy_seconds,
         compile_seconds=loop.compile_seconds,
         kept=[c.pos.clone() for c in loop.caches],
     )
 
 
-def _blocked_output(model, tokens, policy, budgets, ref, doc, spec: StreamSpec) -> StreamOutput:
-    block, mode = min(spec.block, BLOCK_STEPS), spec.position_mode
-    per_token, loop = stream_blocked(model, tokens, policy, budgets, mode, ref, doc, block)
-    return StreamOutput(
-        **per_token,
-        occupancy=loop.occupancy,
-        path="blocked",
-        budgets=budgets,
-        policy_seconds=loop.policy_seconds,
-        kept=[c.pos.clone() for c in loop.caches],
-    )
+RUNNERS: dict[str, Runner] = {
+    "parallel": run_parallel,
+    "blocked": run_blocked,
+    "loop": run_loop,
+    "recompute": run_recompute,
+}
 
 
 def stream(
@@ -118,7 +171,7 @@ def stream(
     B, T = tokens.shape
     if T < 2:
         raise ConfigError(f"a stream needs at least 2 tokens, got {T}")
-    budgets = budgets_for(model.cfg.n_layer, policy, budget, spec.allocation, T - 1)
+    p = plan(policy, budget, spec, model.cfg.n_layer, T)
     if policy.needs_future and (
         reference is None or not (reference.attention and reference.attention.has_rows)
     ):
@@ -126,23 +179,8 @@ def stream(
     doc = doc if doc is not None else torch.arange(B, device=tokens.device)
     model.eval()
     start = time.perf_counter()
-    windows = [policy.static_window(b) for b in budgets]
-    if policy.recompute:
-        if len(set(budgets)) != 1:
-            raise ConfigError(f"{policy.name} re-encodes one window for all layers: use allocation=uniform")
-        per_token = stream_recompute(model, tokens, budgets[0] + 1, reference, spec.block)
-        out = _static_output(per_token, tokens, budgets, "recompute")
-    elif parallel_ok(policy, spec.position_mode) and not spec.force_loop:
-        cache_mode = spec.position_mode is PositionMode.cache
-        bounded = all(recent is not None for _, recent in windows)
-        # the full cache's blocks grow with the stream: each block re-reads every earlier key
-        block = min(spec.block, BLOCK_STEPS if bounded else max(BLOCK_STEPS, T // 16))
-        per_token = stream_static(model, tokens, windows, reference, block, cache_mode)
-        out = _static_output(per_token, tokens, budgets, "parallel")
-    elif not (spec.force_loop or spec.compile):
-        out = _blocked_output(model, tokens, policy, budgets, reference, doc, spec)
-    else:
-        out = _loop_output(model, tokens, policy, budgets, reference, doc, spec)
+    out = RUNNERS[p.path](model, tokens, policy, p, reference, doc, spec)
+    out.block = p.block
     out.seconds = time.perf_counter() - start
     if reference is not None and reference.attention is not None:  # NaN past the steps the reference covers
         sink = reference.attention.sink

@@ -126,6 +126,7 @@ def summarize(model, policy, budget, spec, tokens, b: Batches, per_token) -> dic
         "position_mode": spec.position_mode.value,
         "allocation": spec.allocation.value,
         "path": o0.path,
+        "block": o0.block,
         "n_streams": N,
         "stream_len": T,
         "scored_tokens": int(nll.size),
