@@ -11,6 +11,7 @@ import pytest
 
 from evictlab import run as run_mod
 from evictlab.analysis import figures as F
+from evictlab.analysis import stats as S
 from evictlab.analysis.aggregate import aggregate, wide
 from evictlab.analysis.report import load_tables
 from evictlab.analysis.report import main as report_main
@@ -102,9 +103,9 @@ def test_bootstrap_ci_contains_the_point():
     rng = np.random.default_rng(0)
     for n in (2, 5, 40):
         v = rng.normal(size=n)
-        point, lo, hi = F.bootstrap_ci(v)
+        point, lo, hi = S.bootstrap_ci(v)
         assert lo <= point <= hi and point == pytest.approx(v.mean())
-    assert F.bootstrap_ci(np.array([3.0])) == (3.0, 3.0, 3.0)
+    assert S.bootstrap_ci(np.array([3.0])) == (3.0, 3.0, 3.0)
 
 
 def synthetic_streams() -> pd.DataFrame:
@@ -221,7 +222,11 @@ def test_policy_order_labels_and_colours_come_from_the_tables():
         P.label("oracle") == POLICIES["oracle"].label and P.label("zzz") == "Z" and P.references == {"full"}
     )
     colours = [tuple(P.color(n)) for n in POLICIES]
-    assert len(set(colours)) == len(POLICIES) and P.color("zzz") == "0.3"
+    assert len(set(colours)) == len(POLICIES)
+    # past the ten built-in orders colours stay distinct and fixed by the order (was grey for all of them)
+    many = [tuple(F.policy_color(k)) for k in range(60)] + [tuple(P.color("zzz"))]
+    assert len(set(many)) == len(many) and P.color("zzz") == F.policy_color(100)
+    assert all(0 <= c <= 1 for rgb in many for c in rgb)
 
 
 def test_report_references_every_figure(sweep: Path, tmp_path: Path):

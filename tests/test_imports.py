@@ -129,3 +129,16 @@ def test_the_sweeper_reads_run_identity_without_the_engine():
         return seen
 
     assert not reach("evictlab.identity") & {"evictlab.run", "evictlab.train", "evictlab.eval.evaluate"}
+
+
+def test_the_shared_statistics_draw_nothing():
+    """analysis/stats.py (the report tables' and the figures' statistics) runs without matplotlib."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, evictlab.analysis.stats; "
+        "print(sorted({m.split('.')[0] for m in sys.modules} & {'matplotlib', 'seaborn', 'torch'}))"
+    )
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0 and res.stdout.strip() == "[]", res.stdout + res.stderr

@@ -14,6 +14,7 @@ import pandas as pd
 import pytest
 
 from evictlab.analysis import figures as F
+from evictlab.analysis import stats as S
 from evictlab.analysis.aggregate import aggregate, wide
 from evictlab.analysis.report import headline_table, load_tables
 from evictlab.config import CONF_DIR, compose, to_objects
@@ -81,7 +82,7 @@ def test_variant_figures_and_headline(variant_sweep, tmp_path: Path):
     tables = load_tables(sweep)
     runs = wide(tables["results"])
     assert set(runs["variant"]) == {"base", "learned_pos"}
-    mass = F.layer_values(tables["layers"], "first_position_mass")
+    mass = S.layer_values(tables["layers"], "first_position_mass")
     assert mass.groupby("variant")["head"].nunique().to_dict() == {"base": 4, "learned_pos": 4}  # gpt_tiny
     figs = F.draw_all(tables)
     assert {"sink_by_variant", "eviction_by_variant", "ppl_vs_budget"} <= set(figs)
@@ -123,7 +124,7 @@ def _variant_tables() -> tuple[pd.DataFrame, pd.DataFrame]:
 
 
 def test_first_token_mass_is_layers_by_heads():
-    mass = F.first_token_mass(_variant_tables()[0])
+    mass = S.first_token_mass(_variant_tables()[0])
     assert set(mass) == {"steps200", "base", "steps800"}
     assert mass["base"].shape == (3, 4)
     assert mass["base"][2, 3] == pytest.approx(0.01 * 11 * 2.0)  # [11] is layer 2 head 3, not after [1]

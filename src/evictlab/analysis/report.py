@@ -25,6 +25,7 @@ from matplotlib.figure import Figure
 
 from evictlab import results as R
 from evictlab.analysis import figures as F
+from evictlab.analysis import stats as S
 from evictlab.analysis.aggregate import check_folders, run_dirs, subject_lines, wide
 from evictlab.store import git_info, outputs_dir, write_atomic
 
@@ -52,12 +53,12 @@ def load_tables(folder: Path) -> dict[str, pd.DataFrame]:
 def headline_table(tables: dict[str, pd.DataFrame]) -> pd.DataFrame:
     """Per policy x budget x mode: perplexity with 95% CI, KL, agreement, KV KiB."""
     streams, runs = tables["streams"], tables["runs"]
-    P = F.Policies(streams)
+    P = S.PolicyOrder(streams)
     keys = ["strategy", "budget", "position_mode"]
     for col in ("variant", "dataset", "model"):  # what a sweep varies besides the policy splits its rows
         if col in streams and streams[col].nunique() > 1:
             keys = [col, *keys]
-    ppl = F.summarize_streams(streams, "nll", np.exp, keys)
+    ppl = S.summarize_streams(streams, "nll", np.exp, keys)
     ppl["perplexity [95% CI]"] = [
         f"{p:.3f} [{lo:.3f}, {hi:.3f}]{' *' if n < MIN_UNITS else ''}"
         for p, lo, hi, n in ppl[["point", "low", "high", "n"]].values
@@ -102,15 +103,15 @@ def variant_table(tables: dict[str, pd.DataFrame], arms: list | None = None) -> 
     policies (in figure order; window - StreamingLLM in sink_emergence), original positions, with 95%
     bootstrap CIs over (seed, stream) units."""
     runs, streams = tables["runs"], tables["streams"]
-    P = F.Policies(streams)
-    mass = F.first_token_mass(tables["layers"])
-    ratios = F.eviction_ratios(streams).set_index(["variant", "strategy", "position_mode"])
-    arms = [tuple(a) for a in (arms or F.eviction_arms(streams))]
+    P = S.PolicyOrder(streams)
+    mass = S.first_token_mass(tables["layers"])
+    ratios = S.eviction_ratios(streams).set_index(["variant", "strategy", "position_mode"])
+    arms = [tuple(a) for a in (arms or S.eviction_arms(streams))]
     original = streams[streams["position_mode"] == "original"]
-    pair = P.ordered(F.evicting(original)["strategy"])[:2]
+    pair = P.ordered(S.evicting(original)["strategy"])[:2]
     rows = []
-    for v in F.variants(mass):
-        full = F.reference(runs[(runs["variant"] == v) & (runs["position_mode"] == "original")])
+    for v in S.variants(mass):
+        full = S.reference(runs[(runs["variant"] == v) & (runs["position_mode"] == "original")])
         strongest = mass[v].max(axis=1)
         row = {
             "variant": v,
@@ -128,7 +129,7 @@ def variant_table(tables: dict[str, pd.DataFrame], arms: list | None = None) -> 
             paired = (nll[0] - nll[1]).dropna().to_numpy()
             title = f"{P.label(pair[0])} - {P.label(pair[1])} NLL"
             row[title] = (
-                "-" if not len(paired) else "{:+.4f} [{:+.4f}, {:+.4f}]".format(*F.bootstrap_ci(paired))
+                "-" if not len(paired) else "{:+.4f} [{:+.4f}, {:+.4f}]".format(*S.bootstrap_ci(paired))
             )
         rows.append(row)
     return pd.DataFrame(rows)

@@ -1,0 +1,108 @@
+"""The statistics the report's tables and the figures share: numpy and pandas only (no matplotlib), so
+they are tested and used without drawing. Confidence intervals: 95% bootstrap over independent units
+(seed x stream, or documents)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+
+
+class PolicyOrder:
+    """How the policies of a table are drawn, read from the table's own identity columns (every run records
+    its policy's facts: strategy_label, strategy_order, evicts), so figures need no list of names."""
+
+    def __init__(self, frame: pd.DataFrame):
+        f = frame.drop_duplicates("strategy").set_index("strategy")
+        self.order = {n: int(f.at[n, "strategy_order"]) if "strategy_order" in f else 100 for n in f.index}
+        self.labels = {n: f.at[n, "strategy_label"] if "strategy_label" in f else n for n in f.index}
+        self.references = {n for n in f.index if "evicts" in f and not bool(f.at[n, "evicts"])}
+
+    def ordered(self, names=None) -> list[str]:
+        names = list(dict.fromkeys(self.order if names is None else names))
+        return sorted(names, key=lambda n: (self.order.get(n, 100), n))
+
+    def label(self, name: str) -> str:
+        return self.labels.get(name, name)
+
+    def is_reference(self, name: str) -> bool:
+        return name in self.references
+
+
+def evicting(frame: pd.DataFrame) -> pd.DataFrame:
+    """The rows of policies that evict (everything but the full-cache reference)."""
+    return frame[frame["evicts"].astype(bool)]
+
+
+def reference(frame: pd.DataFrame) -> pd.DataFrame:
+    """The rows of the full-cache reference."""
+    return frame[~frame["evicts"].astype(bool)]
+
+
+def bootstrap_ci(
+    values: np.ndarray, stat=np.mean, n_boot: int = 2000, seed: int = 0, level: float = 0.95
+) -> tuple[float, float, float]:
+    """(point, low, high) of stat over resampled units."""
+    values = np.asarray(values, dtype=float)
+    point = float(stat(values))
+    if len(values) < 2:
+        return point, point, point
+    rng = np.random.default_rng(seed)
+    idx = rng.integers(0, len(values), size=(n_boot, len(values)))
+    boots = np.apply_along_axis(stat, 1, values[idx])
+    lo, hi = np.quantile(boots, [(1 - level) / 2, 1 - (1 - level) / 2])
+    return point, float(min(lo, point)), float(max(hi, point))
+
+
+def summarize_streams(
+    streams: pd.DataFrame, column: str, transform=None, keys=("strategy", "budget", "position_mode")
+) -> pd.DataFrame:
+    """Per (strategy, budget, position_mode) or other keys: point estimate and 95% CI of mean(column)
+    over (seed, stream) units, optionally transformed (exp for perplexity)."""
+    rows = []
+    keys = list(keys)
+    for key, g in streams.groupby(keys, dropna=False):
+        point, lo, hi = bootstrap_ci(g[column].to_numpy())
+        if transform is not None:
+            point, lo, hi = transform(point), transform(lo), transform(hi)
+        rows.append(dict(zip(keys, key, strict=True)) | {"point": point, "low": lo, "high": hi, "n": len(g)})
+    return pd.DataFrame(rows)
+
+
+def layer_values(layers: pd.DataFrame, metric: str) -> pd.DataFrame:
+    """The rows of one per-layer (or per-head) metric of the layers table."""
+    return layers[layers["metric"] == metric] if not layers.empty else layers
+
+
+def variants(names) -> list[str]:
+    """Training variants in a stable order: the experiment's base first, then by name."""
+    names = sorted(set(names))
+    return (["base"] if "base" in names else []) + [n for n in names if n != "base"]
+
+
+def first_token_mass(layers: pd.DataFrame) -> dict[str, np.ndarray]:
+    """variant -> [L, H] full-cache attention on position 0 (original positions, mean over seeds)."""
+    m = layer_values(layers, "first_position_mass")
+    if m.empty:
+        return {}
+    m = reference(m)
+    m = m[m["position_mode"] == "original"]
+    out = {}
+    for variant, g in m.groupby("variant"):
+        grid = g.groupby(["layer", "head"])["value"].mean().unstack("head")
+        out[variant] = grid.sort_index().sort_index(axis=1).to_numpy(dtype=float)
+    return out
+
+
+def eviction_arms(streams: pd.DataFrame) -> list[tuple[str, str]]:
+    """Every (evicting policy, position mode) the streams hold, in figure order, original positions first."""
+    P = PolicyOrder(streams)
+    pairs = set(map(tuple, evicting(streams)[["strategy", "position_mode"]].drop_duplicates().to_numpy()))
+    return sorted(pairs, key=lambda a: (P.order.get(a[0], 100), a[0], a[1] != "original", a[1]))
+
+
+def eviction_ratios(streams: pd.DataFrame) -> pd.DataFrame:
+    """Per (variant, strategy, position_mode) of the evicting policies: exp(mean NLL - mean full-cache NLL)
+    per stream, i.e. perplexity relative to the full cache, with its 95% bootstrap CI (point, low, high)."""
+    s = evicting(streams).assign(delta=lambda d: d["nll"] - d["nll_full"])
+    return summarize_streams(s, "delta", np.exp, keys=("variant", "strategy", "position_mode"))
