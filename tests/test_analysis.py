@@ -517,3 +517,17 @@ def test_nll_vs_position_draws_a_band_across_streams_and_the_reference_without_a
     assert len(bands) == 3  # one per line: the reference and two policies
     lo, hi = bands[1].get_paths()[0].vertices[:, 1].min(), bands[1].get_paths()[0].vertices[:, 1].max()
     assert np.isclose(lo, 2.5) and np.isclose(hi, 2.9)  # streaming_llm: streams 0..2 span 2.5..2.9
+
+
+def test_the_figure_style_is_scoped():
+    """Drawing in evictlab's style leaves matplotlib as it found it (rcParams and colour codes)."""
+    import matplotlib as mpl
+    from matplotlib import colors as mcolors
+
+    before = dict(mpl.rcParams)
+    black = mcolors.to_rgb("k")
+    with F.style():
+        assert mpl.rcParams["axes.facecolor"] == "white" and mpl.rcParams["axes.grid"]
+        assert mcolors.to_rgb("k") != black  # seaborn's colour codes inside
+        F.ppl_vs_budget(synthetic_streams())
+    assert dict(mpl.rcParams) == before and mcolors.to_rgb("k") == black

@@ -49,11 +49,12 @@ def draw(folder: Path, out: Path) -> list[Path]:
     out.mkdir(parents=True, exist_ok=True)
     written = []
     for fig_spec in spec.get("figures", []):
-        fig = F.draw(fig_spec["name"], tables, **fig_spec.get("args", {}))
-        stem = fig_spec.get("file", fig_spec["name"])
-        for ext in ("png", "pdf"):
-            fig.savefig(out / f"{stem}.{ext}", dpi=150)
-            written.append(out / f"{stem}.{ext}")
+        with F.style():
+            fig = F.draw(fig_spec["name"], tables, **fig_spec.get("args", {}))
+            stem = fig_spec.get("file", fig_spec["name"])
+            for ext in ("png", "pdf"):
+                fig.savefig(out / f"{stem}.{ext}", dpi=150)
+                written.append(out / f"{stem}.{ext}")
         plt.close(fig)
     return written
 

@@ -4,7 +4,8 @@ colour everywhere. Confidence intervals: 95% bootstrap over (seed, stream) units
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import matplotlib
@@ -50,8 +51,21 @@ def policy_color(order: int):
     return colorsys.hsv_to_rgb((0.11 + 0.618034 * order) % 1.0, 0.65, 0.72)
 
 
-def theme() -> None:
-    sns.set_theme(context="paper", style="whitegrid", font_scale=1.1)
+@contextmanager
+def style() -> Iterator[None]:
+    """evictlab's figure style (seaborn's paper context, whitegrid, its colour codes) inside the block only:
+    matplotlib's rcParams and colour codes are what they were after it. Draw and save a figure inside one
+    block (matplotlib makes tick labels when it renders, from the rcParams of that moment)."""
+    from matplotlib import colors as mcolors
+
+    codes = {c: mcolors.colorConverter.colors[c] for c in "bgrmyck"}
+    with plt.rc_context():
+        sns.set_theme(context="paper", style="whitegrid", font_scale=1.1)
+        try:
+            yield
+        finally:
+            mcolors.colorConverter.colors.update(codes)
+            mcolors.colorConverter.cache.clear()
 
 
 def _log_y(ax) -> None:
@@ -92,7 +106,6 @@ def metric_vs_budget(
     log_y: bool = False,
 ) -> Figure:
     """A line per policy with its 95% CI band; the full cache as a horizontal reference."""
-    theme()
     P = Policies(streams)
     s = summarize_streams(streams[streams["position_mode"] == mode], column, transform)
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
@@ -131,7 +144,6 @@ def cost_vs_budget(streams: pd.DataFrame, mode: str = "original", outlier: float
     with a paired 95% bootstrap CI over (seed, stream) units, against the budget (log axes). Policies
     whose cost exceeds `outlier` x at some budget get their own panel, so one far-off policy does not
     squash the others into one band."""
-    theme()
     P = Policies(streams)
     s = evicting(streams[streams["position_mode"] == mode]).assign(delta=lambda d: d["nll"] - d["nll_full"])
     r = summarize_streams(s, "delta", np.exp)
@@ -172,7 +184,6 @@ def nll_vs_position(
     the streams (lowest to highest stream mean in each position bucket) where the curves keep them apart.
     Without a full-cache run, the full cache is drawn from the runs' reference (`nll_full`).
     `stream_len`: only the runs of that stream length (a group can hold streams of several lengths)."""
-    theme()
     P = Policies(curves)
     at = (curves["budget"] == budget) | ~curves["evicts"].astype(bool)
     if stream_len is not None:
@@ -208,7 +219,6 @@ def nll_vs_position(
 
 def quality_vs_memory(runs: pd.DataFrame, mode: str = "original") -> Figure:
     """Perplexity against KV bytes held per sequence: the Pareto view (means over seeds)."""
-    theme()
     P = Policies(runs)
     r = runs[runs["position_mode"] == mode].groupby(["strategy", "budget"], as_index=False)[
         ["kv_bytes", "ppl"]
@@ -240,7 +250,6 @@ def quality_vs_memory(runs: pd.DataFrame, mode: str = "original") -> Figure:
 
 def throughput(runs: pd.DataFrame) -> Figure:
     """Token-steps per second per policy (log scale) and the share of step time inside the policy."""
-    theme()
     P = Policies(runs)
     r = runs.groupby("strategy", as_index=False)[["token_steps_per_s", "policy_time_share"]].median()
     names = P.ordered(r["strategy"])
@@ -260,7 +269,6 @@ def throughput(runs: pd.DataFrame) -> Figure:
 
 def sink_mass(layers: pd.DataFrame) -> Figure:
     """Full-cache attention on the first 4 positions, per layer (are there attention sinks?)."""
-    theme()
     vals = layer_values(layers, "sink_mass").groupby("layer")["value"].mean()
     fig, ax = plt.subplots(figsize=(5.2, 3.6))
     ax.bar([f"L{int(layer)}" for layer in vals.index], 100 * vals.to_numpy(), color="0.4")
@@ -273,7 +281,6 @@ def sink_mass(layers: pd.DataFrame) -> Figure:
 
 def position_modes(streams: pd.DataFrame) -> Figure:
     """`original` vs `cache` positions side by side, per policy and budget (perplexity, 95% CI)."""
-    theme()
     P = Policies(streams)
     s = summarize_streams(evicting(streams), "nll", np.exp)
     budgets = sorted(s["budget"].unique())
@@ -318,7 +325,6 @@ def sinks_vs_count(streams: pd.DataFrame, results: pd.DataFrame) -> Figure:
     """StreamingLLM's initial-token table as a figure: the sinks-plus-window cache's perplexity relative to
     the full cache (paired, 95% CI over streams) against the number of initial positions kept (0: a plain
     window), one line per (stream starts with BOS or not, position mode)."""
-    theme()
     settings = run_settings(results, {"cfg.strategy.params.n_sink": "n_sink", "cfg.dataset.bos": "bos"})
     s = evicting(streams).join(settings, on="run_key").assign(delta=lambda d: d["nll"] - d["nll_full"])
     r = summarize_streams(s, "delta", np.exp, keys=("bos", "position_mode", "n_sink"))
@@ -349,7 +355,6 @@ def attention_heatmap(attention: pd.DataFrame) -> Figure:
     """Mean full-cache attention by key position (log-spaced buckets) and layer: are there sinks?"""
     from matplotlib.colors import LogNorm
 
-    theme()
     a = attention.groupby(["layer", "key_position"], as_index=False)["attention"].mean()
     n = int(a["key_position"].max()) + 1
     edges = position_buckets(n, num=24) - 1  # key positions start at 0
@@ -383,7 +388,6 @@ def recall_heatmaps(recall: pd.DataFrame, column: str = "exact_greedy", mode: st
     from matplotlib.cm import ScalarMappable
     from matplotlib.colors import Normalize
 
-    theme()
     P = Policies(recall)
     r = recall[recall["position_mode"] == mode]
     if column not in r or r[column].isna().all():
@@ -426,7 +430,6 @@ def recall_heatmaps(recall: pd.DataFrame, column: str = "exact_greedy", mode: st
 def sink_by_variant(layers: pd.DataFrame, stat: str = "max") -> Figure:
     """Full-cache attention on position 0 per layer (max or mean over heads), one row per training
     variant: which recipes grow an attention sink, and in which layers."""
-    theme()
     rows = {v: getattr(m, stat)(axis=1) for v, m in first_token_mass(layers).items()}
     if not rows:
         raise ValueError("sink_by_variant needs full-cache runs in the original position mode")
@@ -456,7 +459,6 @@ def eviction_by_variant(streams: pd.DataFrame, arms: list | None = None) -> Figu
     relative to the full cache, per training variant: exp(mean NLL - mean full-cache NLL) with a 95%
     bootstrap CI over (seed, stream) units (points, so that a few percent stay visible). Above 1 = worse
     than the full cache."""
-    theme()
     P = Policies(streams)
     r = eviction_ratios(streams).set_index(["variant", "strategy", "position_mode"])
     order = variants(r.index.get_level_values("variant"))
@@ -495,7 +497,6 @@ def sink_trend(layers: pd.DataFrame, runs: pd.DataFrame, axes: dict, arms: list 
     first token (the strongest head of any layer, and the mean over heads and layers). Bottom: perplexity
     of each evicting policy in `arms` (default: all) relative to the full cache (original positions, mean
     over seeds)."""
-    theme()
     P = Policies(runs)
     mass = first_token_mass(layers)
     original = runs[runs["position_mode"] == "original"]

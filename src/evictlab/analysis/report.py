@@ -237,12 +237,13 @@ def main(argv: list[str] | None = None) -> int:
     group = group_of(args.sweep)
     out = args.out or outputs_dir() / "figures" / group
     out.mkdir(parents=True, exist_ok=True)
-    figs = F.draw_all(tables)
-    for stem, fig in figs.items():
-        for ext in ("png", "pdf"):
-            fig.savefig(out / f"{stem}.{ext}", dpi=150)
     report = args.report or outputs_dir() / "report" / group / "index.html"
-    write_report(report, tables, figs, f"evictlab: {group}")
+    with F.style():  # drawn and saved in evictlab's style; matplotlib's settings are untouched after
+        figs = F.draw_all(tables)
+        for stem, fig in figs.items():
+            for ext in ("png", "pdf"):
+                fig.savefig(out / f"{stem}.{ext}", dpi=150)
+        write_report(report, tables, figs, f"evictlab: {group}")
     if not args.no_wandb:
         _log_to_wandb(args.sweep, tables, out, figs)
     for fig in figs.values():
