@@ -32,13 +32,14 @@ from evictlab.cache import make_policy
 from evictlab.config import compose, to_objects
 from evictlab.data.dataset import load_corpus
 from evictlab.data.recall import recall_streams
+from evictlab.data.sampler import WindowSampler
 from evictlab.data.streams import eval_streams
 from evictlab.errors import ConfigError
 from evictlab.eval import StreamSpec, stream
 from evictlab.eval.sinks import sink_metrics
 from evictlab.models.gpt import GPT
 from evictlab.perf import set_threads
-from evictlab.train import WindowSampler, fixed_batches, mean_loss, optimize
+from evictlab.train import fixed_batches, mean_loss, optimize
 
 FUNCTIONAL_BUDGET = 64
 

@@ -340,9 +340,9 @@ def test_a_run_of_weights_since_replaced_is_redone_and_aggregation_refuses_a_mix
 
     from evictlab.analysis.aggregate import aggregate
     from evictlab.analysis.aggregate import main as aggregate_main
+    from evictlab.checkpoints import load_checkpoint, save_checkpoint
     from evictlab.errors import ConfigError
     from evictlab.store import read_json, write_json
-    from evictlab.train import load_checkpoint, save_checkpoint
 
     cfg = cfg_for(outputs, "strategy=window", "budget=b16", "logger=none")
     first = run_mod.run(cfg)

@@ -128,8 +128,8 @@ def test_training_documents_can_ask_for_the_key_many_times(corpus):
 
 
 def test_recall_queries_default_keeps_checkpoint_and_run_keys(tmp_path):
+    from evictlab.checkpoints import checkpoint_key
     from evictlab.run import run_key
-    from evictlab.train import checkpoint_key
     from tests.test_pipeline import cfg_for
 
     base, same, more = (
@@ -145,16 +145,16 @@ def test_recall_queries_default_keeps_checkpoint_and_run_keys(tmp_path):
 def test_smear_keys_off_is_left_out_of_checkpoint_and_run_keys(tmp_path, monkeypatch):
     """model.smear_keys came after checkpoints existed: at its default (false) it is in no key, so the keys
     of older checkpoints and runs stay valid; switched on, it changes both."""
-    import evictlab.train as train_mod
+    import evictlab.checkpoints as store_mod
     from evictlab.run import run_key
     from tests.test_pipeline import cfg_for
 
     base, on = cfg_for(tmp_path), cfg_for(tmp_path, "model.smear_keys=true")
     corpus = load_corpus(base.dataset, base.tokenizer, base.outputs)
-    assert train_mod.checkpoint_key(base, corpus) != train_mod.checkpoint_key(on, corpus)
+    assert store_mod.checkpoint_key(base, corpus) != store_mod.checkpoint_key(on, corpus)
     assert run_key(base) != run_key(on)
     hashed = []
-    monkeypatch.setattr(train_mod, "stable_hash", lambda d: hashed.append(d) or "k")
-    train_mod.checkpoint_key(base, corpus), train_mod.checkpoint_key(on, corpus)
+    monkeypatch.setattr(store_mod, "stable_hash", lambda d: hashed.append(d) or "k")
+    store_mod.checkpoint_key(base, corpus), store_mod.checkpoint_key(on, corpus)
     assert "smear_keys" not in hashed[0]["model"] and hashed[0]["model"]["n_layer"] == base.model.n_layer
     assert hashed[1]["model"]["smear_keys"] is True

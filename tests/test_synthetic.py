@@ -62,7 +62,7 @@ def test_a_synthetic_document_has_its_length_prefix_and_in_context_jobs(corpus):
 
 
 def test_synthetic_share_mixes_documents_into_training_and_zero_changes_nothing(corpus):
-    from evictlab.train import WindowSampler
+    from evictlab.data.sampler import WindowSampler
 
     split = corpus.splits["train"]
     plain = WindowSampler(split, corpus, 128, False, seed=3).batch(8)
@@ -93,7 +93,7 @@ def test_a_copy_document_is_mostly_copies_and_without_filler_in_warmup(corpus):
 
 
 def test_the_synthetic_warmup_trains_on_synthetic_documents_only_then_mixes(corpus):
-    from evictlab.train import WindowSampler
+    from evictlab.data.sampler import WindowSampler
 
     split = corpus.splits["train"]
     sampler = WindowSampler(split, corpus, 128, False, seed=1, synthetic_kind="copy", synthetic_warmup=2)

@@ -10,16 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from evictlab.checkpoints import load_checkpoint
 from evictlab.data import load_corpus
-from evictlab.train import (
-    WindowSampler,
-    get_checkpoint,
-    load_checkpoint,
-    lr_at,
-    make_optimizer,
-    ngram_bits_per_byte,
-    train_model,
-)
+from evictlab.data.sampler import WindowSampler
+from evictlab.train import get_checkpoint, lr_at, make_optimizer, ngram_bits_per_byte, train_model
 from tests.conftest import TINY, make_cfg, run_cli
 
 
@@ -73,7 +67,7 @@ def test_second_request_is_a_cache_hit(tiny_checkpoint, session_outputs: Path, m
     # Settings that cannot change the weights share the checkpoint; ones that can, do not.
     assert get_checkpoint(make_cfg(session_outputs, "train.eval_interval=7")).cached
     assert make_cfg(session_outputs, "train.lr=0.001").train.lr == 0.001
-    from evictlab.train import checkpoint_key
+    from evictlab.checkpoints import checkpoint_key
 
     corpus = load_corpus(
         *[getattr(make_cfg(session_outputs), k) for k in ("dataset", "tokenizer", "outputs")]
@@ -282,7 +276,7 @@ def test_recall_share_mixes_pass_key_documents_into_training(session_outputs: Pa
 def test_a_full_disk_gives_one_clear_error_and_leaves_nothing_half_written(outputs: Path, monkeypatch):
     import errno
 
-    import evictlab.train as train_mod
+    import evictlab.checkpoints as store_mod
     from evictlab.errors import ConfigError, DiskFullError
     from evictlab.store import write_json
 
@@ -302,7 +296,7 @@ def test_a_full_disk_gives_one_clear_error_and_leaves_nothing_half_written(outpu
     def full_safetensors(*args, **kwargs):
         raise RuntimeError("Error while serializing: IoError(Os { code: 28, kind: StorageFull })")
 
-    monkeypatch.setattr(train_mod, "save_model", full_safetensors)
+    monkeypatch.setattr(store_mod, "save_model", full_safetensors)
     cfg = make_cfg(outputs, "train.steps=5", "train.warmup_steps=2")
     with pytest.raises(DiskFullError, match="nothing half-written was kept"):
         get_checkpoint(cfg)
@@ -312,7 +306,8 @@ def test_a_full_disk_gives_one_clear_error_and_leaves_nothing_half_written(outpu
 
 
 def test_the_training_line_gives_small_floor_shares_two_digits():
-    from evictlab.train import Checkpoint, summary
+    from evictlab.checkpoints import Checkpoint
+    from evictlab.train import summary
 
     meta = {
         "model": {"name": "gpt_tiny"}, "params": 49_000, "val_bpb": 3.1, "wall_s": 12.0,

@@ -31,6 +31,7 @@ import pandas as pd
 import torch
 
 from evictlab import results as R
+from evictlab.checkpoints import Checkpoint
 from evictlab.config import Config, hydra_entry
 from evictlab.data.dataset import Corpus, load_corpus
 from evictlab.data.recall import RecallBatch, recall_streams
@@ -44,7 +45,7 @@ from evictlab.identity import is_done, run_dir, run_key
 from evictlab.models.gpt import GPT
 from evictlab.perf import build_info, set_threads
 from evictlab.store import file_lock, git_info, package_versions, read_json, write_atomic, write_json
-from evictlab.train import Checkpoint, get_checkpoint
+from evictlab.train import get_checkpoint
 
 log = logging.getLogger(__name__)
 

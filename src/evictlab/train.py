@@ -2,141 +2,48 @@
 
     python -m evictlab.train model=gpt_small dataset=pydoc_topics
 
-A checkpoint lives in ``outputs/checkpoints/<key>/`` (``model.safetensors`` + ``meta.json``); the
-key hashes everything that determines the weights. Concurrent callers train once (file lock);
-a checkpoint is written under a temp name and renamed; a damaged one is retrained with a warning.
+Reads top to bottom: the n-gram baselines, the training loop (learning-rate schedule, optimizer, the
+steps), the training record, then `get_checkpoint`, which trains once per key and hands the model and its
+meta (training record and sink metrics) to the checkpoint store (checkpoints.py). Training windows come
+from data/sampler.py.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-import shutil
 import sys
 import time
-import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, replace
-from pathlib import Path
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
 import torch
-from safetensors.torch import load_model, save_model
 from tqdm.auto import tqdm
 
-from evictlab.config import Config, TrainConfig, hydra_entry, key_dict
+from evictlab.checkpoints import (
+    Checkpoint,
+    cached_checkpoint,
+    check_settings,
+    checkpoint_key,
+    gguf_checkpoint,
+    pretrained,
+)
+from evictlab.config import Config, TrainConfig, hydra_entry
 from evictlab.data.dataset import Corpus, TokenSplit, load_corpus
-from evictlab.errors import ConfigError, DivergedError
+from evictlab.data.sampler import WindowSampler
+from evictlab.errors import DivergedError
 from evictlab.eval.sinks import sink_metrics
 from evictlab.models.gguf import is_gguf
-from evictlab.models.gpt import GPT, GPTConfig
+from evictlab.models.gpt import GPT
 from evictlab.perf import build_info, matmul_flops_per_s, pinned_threads
-from evictlab.store import (
-    file_lock,
-    file_sha256,
-    git_info,
-    package_versions,
-    raise_if_disk_full,
-    read_json,
-    stable_hash,
-    to_jsonable,
-    write_json,
-)
+from evictlab.store import git_info, package_versions, to_jsonable
 
 log = logging.getLogger(__name__)
-CHECKPOINT_FORMAT = 2  # bump when training semantics or the file layout change
-# 2: training at an explicit thread count (train.threads, in the key); format 1 keys mixed thread counts
 
 
-@dataclass
-class Checkpoint:
-    path: Path
-    model: GPT
-    meta: dict[str, Any]
-    cached: bool  # True when loaded from the cache, False when trained by this call
-
-
-# ---------------------------------------------------------------------------------------- data
-
-
-class WindowSampler:
-    """Random training windows: prefix (<sink>?, <bos>) + a slice of the split's token stream.
-
-    The stream joins documents with <bos>; <bos>/<sink> targets are masked out of the loss, so the
-    loss counts text tokens only (and converts exactly to bits per byte).
-    """
-
-    def __init__(
-        self,
-        split: TokenSplit,
-        corpus: Corpus,
-        seq_len: int,
-        sink_token: bool,
-        seed: int,
-        recall_share: float = 0.0,
-        recall_queries: int = 1,
-        synthetic_share: float = 0.0,
-        synthetic_kind: str = "events",
-        synthetic_warmup: int = 0,
-    ):
-        self.prefix = np.asarray(corpus.prefix(sink_token), dtype=np.int64)
-        self.stream = split.stream(corpus.tokenizer.bos_id if corpus.bos else None)
-        self.body = seq_len + 1 - len(self.prefix)  # tokens taken from the stream per sample
-        if self.body < 2 or len(self.stream) < self.body:
-            raise ConfigError(
-                f"train.seq_len={seq_len} does not fit: the split has {len(self.stream)} tokens "
-                f"and the prefix takes {len(self.prefix)}"
-            )
-        self.specials = [corpus.tokenizer.bos_id, corpus.tokenizer.sink_id]
-        self.rng = np.random.default_rng(seed)
-        self.recall_share, self.recall_queries = recall_share, recall_queries
-        self.synthetic_share = synthetic_share
-        self.synthetic_kind = synthetic_kind  # "events" | "copy" (a SyntheticKind compares equal to its name)
-        self.synthetic_warmup, self.batches = synthetic_warmup, 0  # batches drawn so far (= training steps)
-        self.split, self.tok, self.seq_len = split, corpus.tokenizer, seq_len
-
-    @classmethod
-    def for_training(cls, corpus: Corpus, tc: TrainConfig, sink_token: bool) -> WindowSampler:
-        """The training stream of `tc`: its seed, and its mix of pass-key and synthetic documents."""
-        mix = ("recall_share", "recall_queries", "synthetic_share", "synthetic_kind", "synthetic_warmup")
-        split = corpus.splits["train"]
-        return cls(split, corpus, tc.seq_len, sink_token, tc.seed, **{k: getattr(tc, k) for k in mix})
-
-    def batch(self, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """x, y: [batch_size, seq_len] int64; y = -1 where the target is a special token."""
-        starts = self.rng.integers(0, len(self.stream) - self.body + 1, size=batch_size)
-        rows = [np.concatenate((self.prefix, self.stream[s : s + self.body])) for s in starts]
-        if self.recall_share > 0:  # replace a share of the samples by pass-key documents (data/recall.py)
-            from evictlab.data.recall import make_recall_sequence
-
-            for i in np.flatnonzero(self.rng.random(batch_size) < self.recall_share):
-                depth = float(self.rng.random())
-                rows[i] = make_recall_sequence(
-                    self.tok,
-                    self.prefix,
-                    self.split.ids,
-                    self.seq_len + 1,
-                    depth,
-                    self.rng,
-                    queries=self.recall_queries,
-                )[0]
-        warm = self.batches < self.synthetic_warmup  # the curriculum's first steps: synthetic only
-        self.batches += 1
-        if self.synthetic_share > 0 or warm:  # replace a share by synthetic in-context documents
-            from evictlab.data.synthetic import make_copy_sequence, make_synthetic_sequence
-
-            share = 1.0 if warm else self.synthetic_share
-            for i in np.flatnonzero(self.rng.random(batch_size) < share):
-                args = (self.tok, self.prefix, self.split.ids, self.seq_len + 1, self.rng)
-                if self.synthetic_kind == "copy":
-                    rows[i] = make_copy_sequence(*args, filler_max=0 if warm else 48)
-                else:
-                    rows[i] = make_synthetic_sequence(*args)
-        seq = torch.from_numpy(np.stack(rows))
-        x, y = seq[:, :-1], seq[:, 1:].clone()
-        y[torch.isin(y, torch.tensor(self.specials))] = -1
-        return x, y
+# ----------------------------------------------------------------------------------- baselines
 
 
 def ngram_bits_per_byte(train: TokenSplit, val: TokenSplit, vocab_size: int, order: int) -> float:
@@ -310,131 +217,6 @@ def _train_model(cfg: Config, corpus: Corpus) -> tuple[GPT, dict[str, Any]]:
 # ---------------------------------------------------------------------------------- checkpoints
 
 
-def checkpoint_key(cfg: Config, corpus: Corpus) -> str:
-    """Hash of everything that determines the weights (config.py marks the train settings that do not)."""
-    model_cfg = {**key_dict(cfg.model), "vocab_size": corpus.tokenizer.vocab_size}  # (no neutral fields)
-    return stable_hash(
-        {
-            "model": model_cfg,
-            "train": key_dict(cfg.train, weights=True),
-            "data_hash": corpus.data_hash,
-            "tokenizer": corpus.tokenizer.spec,
-            "bos": corpus.bos,
-            "format": CHECKPOINT_FORMAT,
-        }
-    )
-
-
-def load_checkpoint(path: str | Path) -> tuple[GPT, dict[str, Any]]:
-    """Load and verify a checkpoint folder; raises ValueError if it is missing, truncated or altered."""
-    path = Path(path)
-    try:
-        meta = read_json(path / "meta.json")
-        weights = path / "model.safetensors"
-        if file_sha256(weights) != meta["weights_sha256"]:
-            raise ValueError("weights hash does not match meta.json")
-        model = GPT(GPTConfig(**meta["model"]))
-        load_model(model, str(weights))
-    except (OSError, KeyError, TypeError, ValueError, RuntimeError) as e:
-        raise ValueError(f"checkpoint {path} is unusable: {e}") from e
-    model.eval()
-    return model, meta
-
-
-def check_settings(meta: dict[str, Any], cfg: Config, key: str) -> None:
-    """A cached checkpoint is what its key says: the model and training settings its meta.json records are
-    the requested ones (an edited meta.json would load other weights' settings under this key). Raises
-    ValueError naming the first setting that differs."""
-    if meta.get("key") != key:
-        raise ValueError(f"checkpoint meta.json says key {meta.get('key')!r}, its folder {key!r}")
-    # both sides as the key sees them, so a field added later (at its neutral value) matches an older meta
-    try:
-        stored_model = key_dict(GPTConfig(**meta.get("model", {})))
-    except (TypeError, ValueError) as e:
-        raise ValueError(f"checkpoint meta.json has unreadable model settings ({e})") from None
-    try:
-        stored_train = key_dict(TrainConfig(**meta.get("train", {})), weights=True)
-    except (TypeError, ValueError) as e:
-        raise ValueError(f"checkpoint meta.json has unreadable train settings ({e})") from None
-    stored = {f"model.{k}": v for k, v in stored_model.items()}
-    wanted = {f"model.{k}": v for k, v in key_dict(cfg.model).items()}
-    stored |= {f"train.{k}": v for k, v in stored_train.items()}
-    wanted |= {f"train.{k}": v for k, v in key_dict(cfg.train, weights=True).items()}
-    for name in sorted(set(stored) | set(wanted)):
-        if stored.get(name) != wanted.get(name):
-            have, want = stored.get(name), wanted.get(name)
-            raise ValueError(f"checkpoint meta.json records {name}={have!r}, but {want!r} was asked for")
-
-
-def warn_if_other_build(path: Path, meta: dict[str, Any]) -> None:
-    """One warning line when a checkpoint was made under another torch build or CPU capability: its weights
-    are what they are, but training again here would not give the same bits."""
-    made, here = meta.get("build") or {}, build_info()
-    differ = [
-        f"{k} {made[k]} (here {here[k]})"
-        for k in ("torch", "cpu_capability")
-        if made.get(k, here[k]) != here[k]
-    ]
-    if differ:
-        log.warning(
-            "checkpoint %s was made under %s: retraining it here would not give the same bits",
-            path.name,
-            ", ".join(differ),
-        )
-
-
-def save_checkpoint(dest: Path, model: GPT, meta: dict[str, Any]) -> None:
-    """Write into a temp folder beside dest, then rename it into place (readers never see half)."""
-    tmp = dest.parent / f".{dest.name}.tmp-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir(parents=True)
-    try:
-        save_model(model, str(tmp / "model.safetensors"))
-        meta = {**meta, "weights_sha256": file_sha256(tmp / "model.safetensors")}
-        write_json(tmp / "meta.json", meta)
-        if dest.exists():
-            shutil.rmtree(dest)
-        tmp.rename(dest)
-    except Exception as e:
-        raise_if_disk_full(e, dest / "model.safetensors")
-        raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-
-
-def cached_checkpoint(
-    dest: Path,
-    check: Callable[[dict[str, Any]], None],
-    build: Callable[[], tuple[GPT, dict[str, Any]]],
-    remake: str = "retraining it",
-) -> Checkpoint:
-    """The checkpoint folder `dest`: loaded when present, intact and accepted by `check(meta)` (which
-    raises ValueError otherwise), else made by `build()` -> (model, meta) once, under a file lock (other
-    processes wait and load it), and written atomically. An unusable one is made again with a warning
-    that ends with `remake`."""
-
-    def try_load() -> Checkpoint | None:
-        if not dest.exists():
-            return None
-        try:
-            model, meta = load_checkpoint(dest)
-            check(meta)
-            warn_if_other_build(dest, meta)
-            return Checkpoint(dest, model, meta, cached=True)
-        except ValueError as e:
-            log.warning("%s; %s", e, remake)
-            return None
-
-    if (hit := try_load()) is not None:
-        return hit
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    with file_lock(dest):
-        if (hit := try_load()) is not None:  # another process made it while we waited
-            return hit
-        model, meta = build()
-        save_checkpoint(dest, model, meta)
-        return Checkpoint(dest, model.eval(), read_json(dest / "meta.json"), cached=False)
-
-
 def get_checkpoint(cfg: Config, corpus: Corpus | None = None) -> Checkpoint:
     """The model for cfg: a trained one from the cache when present and intact, else trained (once); a
     GGUF file converted once (`gguf_checkpoint`); a Hugging Face checkpoint mapped at each load."""
@@ -473,70 +255,6 @@ def get_checkpoint(cfg: Config, corpus: Corpus | None = None) -> Checkpoint:
     return cached_checkpoint(
         cfg.outputs / "checkpoints" / f"{cfg.model.name}-{key}", lambda m: check_settings(m, cfg, key), build
     )
-
-
-def gguf_checkpoint(cfg: Config) -> Checkpoint:
-    """A GGUF file (models/gguf.py) dequantised and converted into evictlab's checkpoint cache on first use,
-    keyed by the file's sha256; later uses load the converted weights (float32; cast to model.dtype
-    by the caller)."""
-    from evictlab.models import gguf
-    from evictlab.models.hf import config_from_hf, map_weights
-
-    file = gguf.locate(cfg.model.name_or_path)
-    key = stable_hash(
-        {"gguf_sha256": file.sha256, "converter": gguf.CONVERTER_VERSION, "format": CHECKPOINT_FORMAT}
-    )
-
-    def check(meta: dict[str, Any]) -> None:
-        if meta.get("key") != key:
-            raise ValueError(f"checkpoint meta.json says key {meta.get('key')!r}, its folder {key!r}")
-
-    def build() -> tuple[GPT, dict[str, Any]]:
-        log.info("converting %s (sha256 %s...) into the checkpoint cache", file.path, file.sha256[:12])
-        start = time.perf_counter()
-        contents = gguf.read_contents(file)
-        model_cfg = config_from_hf(contents.config, cfg.model.name)
-        model = GPT(model_cfg)
-        model.load_state_dict(map_weights("llama", contents.state_dict, model_cfg))
-        meta = {
-            "key": key,
-            "source": "gguf",
-            "label": contents.label,
-            "model": to_jsonable(model_cfg),
-            "hf_config": contents.config,
-            **gguf.describe(file),
-            "build": build_info(),
-            "params": model.num_params(),
-            "val_bpb": None,
-            "convert_s": time.perf_counter() - start,
-            "git": git_info(),
-            "packages": package_versions(),
-            "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        }
-        return model, meta
-
-    dest = cfg.outputs / "checkpoints" / f"{cfg.model.name}-{key}"
-    return cached_checkpoint(dest, check, build, remake="converting it again")
-
-
-def pretrained(cfg: Config) -> Checkpoint:
-    """A Hugging Face checkpoint mapped onto evictlab's GPT (models/hf.py)."""
-    from evictlab.models.hf import load_hf_model
-
-    model, info = load_hf_model(cfg.model.name_or_path, cfg.model.dtype)
-    weights = Path(info["path"]) / "model.safetensors"  # (a sharded checkpoint has no single hash: None)
-    meta = {
-        "key": stable_hash(
-            {"hf": cfg.model.name_or_path, "dtype": cfg.model.dtype, "format": CHECKPOINT_FORMAT}
-        ),
-        "source": "hf",
-        "model": to_jsonable(model.cfg),
-        "model_type": info["model_type"],
-        "weights_sha256": file_sha256(weights) if weights.is_file() else None,
-        "params": model.num_params(),
-        "val_bpb": None,
-    }
-    return Checkpoint(Path(info["path"]), model, meta, cached=True)
 
 
 def summary(ck: Checkpoint, seconds: float) -> str:
