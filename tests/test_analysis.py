@@ -531,3 +531,34 @@ def test_the_figure_style_is_scoped():
         assert mcolors.to_rgb("k") != black  # seaborn's colour codes inside
         F.ppl_vs_budget(synthetic_streams())
     assert dict(mpl.rcParams) == before and mcolors.to_rgb("k") == black
+
+
+def test_figures_tell_overlapping_policies_apart_and_name_their_subject():
+    from evictlab.analysis.stats import MODEL_LABELS, subject_caption
+    from evictlab.models.gguf import BUNDLED
+
+    assert set(MODEL_LABELS.values()) == {b.label for b in BUNDLED.values()}  # one name for the model
+    streams = synthetic_streams()
+    P = F.Policies(streams)
+    names = P.ordered()
+    assert len({(P.marker(n), P.linestyle(n)) for n in names}) == len(names)
+    fig = F.ppl_vs_budget(streams)
+    ax = fig.axes[0]
+    legend = ax.get_legend()
+    # the legend sits beside the axes, not on the data
+    assert legend.get_window_extent().x0 >= ax.get_window_extent().x1 - 1
+    assert subject_caption(streams) in ax.get_title()
+    frame = pd.DataFrame({"model": "smollm2_135m", "dataset": "man_pages", "seed": 0, "stream": range(4)})
+    assert subject_caption(frame) == "SmolLM2-135M-Instruct (Q4_1, dequantised) on man_pages, 4 streams"
+
+
+def test_the_oracle_is_drawn_but_never_on_the_pareto_front():
+    runs = synthetic_runs()
+    oracle = runs["strategy"] == "oracle"
+    assert runs.loc[oracle, "non_causal"].all()
+    runs.loc[oracle, "ppl"] /= 10  # better than everything, at every budget
+    fig = F.quality_vs_memory(runs)
+    ax = fig.axes[0]
+    front = next(line for line in ax.get_lines() if line.get_label() == "Pareto front")
+    oracle = next(line for line in ax.get_lines() if line.get_label().startswith("oracle"))
+    assert not set(front.get_ydata()) & set(oracle.get_ydata())

@@ -26,6 +26,7 @@ from evictlab.analysis.stats import (  # noqa: E402
     first_token_mass,
     layer_values,
     reference,
+    subject_caption,
     summarize_streams,
     variants,
 )
@@ -41,6 +42,17 @@ class Policies(PolicyOrder):
 
     def color(self, name: str):
         return policy_color(self.order.get(name, 100))
+
+    def marker(self, name: str) -> str:
+        """A marker fixed by the order, so overlapping lines stay apart."""
+        return MARKERS[self.order.get(name, 100) % len(MARKERS)]
+
+    def linestyle(self, name: str):
+        return LINESTYLES[self.order.get(name, 100) % len(LINESTYLES)]
+
+
+MARKERS = ("o", "s", "^", "D", "v", "P", "X", "<", ">", "*", "h")
+LINESTYLES = ("-", "--", "-.", ":", (0, (5, 1, 1, 1)), (0, (3, 1, 1, 1, 1, 1)))
 
 
 def policy_color(order: int):
@@ -79,13 +91,26 @@ def _log_y(ax) -> None:
 
 
 def _finish(fig: Figure, ax, xlabel: str, ylabel: str, title: str) -> Figure:
-    """Labels, a compact legend and a tight layout: the last lines of every single-axes figure."""
+    """Labels, the legend beside the axes (never on the data) and a tight layout: the last lines of every
+    single-axes figure."""
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
-    ax.set_title(title)
-    ax.legend(fontsize=8, ncol=2)
+    ax.set_title(title, fontsize=10)
+    _legend_outside(ax)
     fig.tight_layout()
     return fig
+
+
+def _legend_outside(ax) -> None:
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0.0, frameon=False)
+
+
+def _policy_line(ax, P, name: str, x, y, low=None, high=None) -> None:
+    """One policy's line: its colour, marker and line style (fixed by its order), and its CI band."""
+    color = P.color(name)
+    ax.plot(x, y, marker=P.marker(name), ms=4, ls=P.linestyle(name), color=color, label=P.label(name))
+    if low is not None:
+        ax.fill_between(x, low, high, color=color, alpha=0.12, lw=0)
 
 
 def _budget_axis(ax, budgets) -> None:
@@ -108,7 +133,7 @@ def metric_vs_budget(
     """A line per policy with its 95% CI band; the full cache as a horizontal reference."""
     P = Policies(streams)
     s = summarize_streams(streams[streams["position_mode"] == mode], column, transform)
-    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    fig, ax = plt.subplots(figsize=(7.6, 4.2))
     budgets = s.loc[~s["strategy"].map(P.is_reference), "budget"]
     for name in P.ordered(s["strategy"]):
         g = s[s["strategy"] == name].sort_values("budget")
@@ -117,13 +142,12 @@ def metric_vs_budget(
             ax.axhline(ref["point"], color=P.color(name), ls="--", lw=1.2, label=f"{P.label(name)} cache")
             ax.axhspan(ref["low"], ref["high"], color=P.color(name), alpha=0.12)
             continue
-        ax.plot(g["budget"], g["point"], marker="o", ms=4, color=P.color(name), label=P.label(name))
-        ax.fill_between(g["budget"], g["low"], g["high"], color=P.color(name), alpha=0.15)
+        _policy_line(ax, P, name, g["budget"], g["point"], g["low"], g["high"])
     if len(budgets):
         _budget_axis(ax, budgets)
     if log_y:
         _log_y(ax)
-    title = title or f"{ylabel} vs budget ({mode} positions, 95% CI)"
+    title = title or f"{ylabel} vs budget ({mode} positions, 95% CI)\n{subject_caption(streams)}"
     return _finish(fig, ax, "KV budget (entries per layer)", ylabel, title)
 
 
@@ -150,22 +174,25 @@ def cost_vs_budget(streams: pd.DataFrame, mode: str = "original", outlier: float
     worst = r.groupby("strategy")["point"].max()
     groups = [[n for n in P.ordered(r["strategy"]) if (worst[n] > outlier) == far] for far in (False, True)]
     groups = [g for g in groups if g]
-    fig, axes = plt.subplots(1, len(groups), figsize=(6.0 * len(groups), 4.2), squeeze=False)
+    fig, axes = plt.subplots(1, len(groups), figsize=(7.4 * len(groups), 4.4), squeeze=False)
     for ax, names in zip(axes[0], groups, strict=True):
         for name in names:
             g = r[r["strategy"] == name].sort_values("budget")
-            ax.plot(g["budget"], g["point"], marker="o", ms=4, color=P.color(name), label=P.label(name))
-            ax.fill_between(g["budget"], g["low"], g["high"], color=P.color(name), alpha=0.15)
+            _policy_line(ax, P, name, g["budget"], g["point"], g["low"], g["high"])
         ax.axhline(1.0, color="k", lw=0.8, ls="--", label="full cache")
         _budget_axis(ax, r["budget"])
         _log_y(ax)
         ax.set_xlabel("KV budget (entries per layer)")
         ax.set_ylabel("perplexity / full-cache perplexity")
-        ax.legend(fontsize=8, ncol=2)
+        _legend_outside(ax)
     if len(groups) > 1:
-        axes[0][0].set_title(f"within {outlier:g}x of the full cache")
-        axes[0][1].set_title(f"beyond {outlier:g}x")
-    fig.suptitle(f"Cost of eviction relative to the full cache ({mode} positions, paired 95% CI)")
+        axes[0][0].set_title(f"within {outlier:g}x of the full cache", fontsize=10)
+        axes[0][1].set_title(f"beyond {outlier:g}x", fontsize=10)
+    fig.suptitle(
+        f"Cost of eviction relative to the full cache ({mode} positions, paired 95% CI)\n"
+        f"{subject_caption(streams)}",
+        fontsize=10,
+    )
     fig.tight_layout()
     return fig
 
@@ -189,7 +216,7 @@ def nll_vs_position(
     if stream_len is not None:
         at &= curves["stream_len"] == stream_len
     c = curves[(curves["position_mode"] == mode) & at]
-    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    fig, ax = plt.subplots(figsize=(7.6, 4.2))
     lines = [(name, c[c["strategy"] == name], "nll", P.label(name)) for name in P.ordered(c["strategy"])]
     if (
         not any(P.is_reference(name) for name in c["strategy"])
@@ -209,11 +236,11 @@ def nll_vs_position(
         ax.plot(mean["position"], mean["mean"], color=color, label=label, ls=ls)
         if "stream" in g and g["stream"].nunique() > 1:
             ax.fill_between(mean["position"], mean["min"], mean["max"], color=color, alpha=0.15, lw=0)
-    ax.axvline(budget, color="0.5", lw=0.8, ls=":")
+    ax.axvline(budget, color="0.5", lw=0.8, ls=":", label=f"cache budget ({budget:,})")
     if context is not None:
         ax.axvline(context, color="k", lw=1.0, ls="-.", label=f"{context_label} ({context:,})")
     ax.set_xscale("log")
-    title = f"NLL by position, budget {budget} ({mode} positions)"
+    title = f"NLL by position, budget {budget} ({mode} positions)\n{subject_caption(c)}"
     return _finish(fig, ax, "token position in the stream", "NLL [nats]", title)
 
 
@@ -224,14 +251,15 @@ def quality_vs_memory(runs: pd.DataFrame, mode: str = "original") -> Figure:
         ["kv_bytes", "ppl"]
     ]
     r = r.mean()
-    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    fig, ax = plt.subplots(figsize=(7.6, 4.2))
     for name in P.ordered(r["strategy"]):
         g = r[r["strategy"] == name].sort_values("kv_bytes")
         ls = "none" if P.is_reference(name) else "-"
         ax.plot(
             g["kv_bytes"] / 1024, g["ppl"], marker="o", ms=4, color=P.color(name), label=P.label(name), ls=ls
         )
-    pts = r.sort_values("kv_bytes")
+    causal = r[~r["strategy"].isin(P.non_causal)]  # the oracle reads the future: drawn, never on the front
+    pts = causal.sort_values("kv_bytes")
     front = pts[pts["ppl"] <= pts["ppl"].cummin()]
     ax.step(
         front["kv_bytes"] / 1024,
@@ -244,7 +272,7 @@ def quality_vs_memory(runs: pd.DataFrame, mode: str = "original") -> Figure:
     )
     ax.set_xscale("log")
     _log_y(ax)
-    title = f"Quality vs KV memory ({mode} positions)"
+    title = f"Quality vs KV memory ({mode} positions)\n{subject_caption(runs)}"
     return _finish(fig, ax, "KV cache held per sequence [KiB]", "perplexity", title)
 
 

@@ -17,6 +17,7 @@ class PolicyOrder:
         self.order = {n: int(f.at[n, "strategy_order"]) if "strategy_order" in f else 100 for n in f.index}
         self.labels = {n: f.at[n, "strategy_label"] if "strategy_label" in f else n for n in f.index}
         self.references = {n for n in f.index if "evicts" in f and not bool(f.at[n, "evicts"])}
+        self.non_causal = {n for n in f.index if "non_causal" in f and bool(f.at[n, "non_causal"])}
 
     def ordered(self, names=None) -> list[str]:
         names = list(dict.fromkeys(self.order if names is None else names))
@@ -106,3 +107,25 @@ def eviction_ratios(streams: pd.DataFrame) -> pd.DataFrame:
     per stream, i.e. perplexity relative to the full cache, with its 95% bootstrap CI (point, low, high)."""
     s = evicting(streams).assign(delta=lambda d: d["nll"] - d["nll_full"])
     return summarize_streams(s, "delta", np.exp, keys=("variant", "strategy", "position_mode"))
+
+
+# display names of models whose run name is a short config name (models/gguf.py's BUNDLED labels; a test
+# holds them equal); any other model is shown by its name
+MODEL_LABELS = {"smollm2_135m": "SmolLM2-135M-Instruct (Q4_1, dequantised)"}
+
+
+def subject_caption(frame: pd.DataFrame) -> str:
+    """What a figure's numbers are of, for its title: model(s), corpus and the number of independent
+    streams (seed x stream units), e.g. "gpt_small on pydoc_topics, 16 streams"."""
+    words = []
+    if "model" in frame and frame["model"].notna().any():
+        words.append(" / ".join(MODEL_LABELS.get(m, m) for m in sorted(frame["model"].dropna().unique())))
+    if "dataset" in frame and frame["dataset"].notna().any():
+        words.append("on " + " / ".join(sorted(frame["dataset"].dropna().astype(str).unique())))
+    n = None
+    if "stream" in frame:
+        n = frame[[c for c in ("seed", "stream") if c in frame]].drop_duplicates().shape[0]
+    elif "n_streams" in frame and frame["n_streams"].notna().any():
+        n = int(frame["n_streams"].max()) * (frame["seed"].nunique() if "seed" in frame else 1)
+    text = " ".join(words)
+    return text if n is None else f"{text}, {n} stream{'s' if n != 1 else ''}"
