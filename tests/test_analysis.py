@@ -562,3 +562,17 @@ def test_the_oracle_is_drawn_but_never_on_the_pareto_front():
     front = next(line for line in ax.get_lines() if line.get_label() == "Pareto front")
     oracle = next(line for line in ax.get_lines() if line.get_label().startswith("oracle"))
     assert not set(front.get_ydata()) & set(oracle.get_ydata())
+
+
+def test_a_narrow_ratio_axis_is_linear_and_sink_colours_are_anchored_at_the_sink_threshold():
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots()
+    ax.plot([32, 64], [1.004, 1.012])
+    F._log_y(ax)  # 1.004-1.012 on a log axis labels its ticks 1.01, 1.01, 1, 1
+    assert ax.get_yscale() == "linear"
+    fig2, ax2 = plt.subplots()
+    ax2.plot([32, 64], [1.2, 9.0])
+    F._log_y(ax2)
+    assert ax2.get_yscale() == "log"
+    assert F.SINK_THRESHOLD == 0.3
