@@ -416,8 +416,8 @@ def test_cost_vs_budget_is_the_paired_ratio_and_gives_outliers_their_own_panel()
     streams = with_facts(pd.DataFrame(rows))
     fig = F.cost_vs_budget(streams)
     assert len(fig.axes) == 2 and [a.get_title() for a in fig.axes] == [
-        "within 2x of the full cache",
-        "beyond 2x",
+        "policies within 2x of the full cache at every budget",
+        "policies beyond 2x at some budget",
     ]
     near = {
         ln.get_label(): ln.get_ydata().tolist()
