@@ -158,7 +158,13 @@ def metric_vs_budget(
 
 
 def ppl_vs_budget(streams: pd.DataFrame, mode: str = "original") -> Figure:
-    return metric_vs_budget(streams, "nll", "perplexity", transform=np.exp, mode=mode, log_y=True)
+    title = (
+        f"perplexity vs budget ({mode} positions; 95% CI over streams, unpaired: cost_vs_budget pairs "
+        f"each stream with the full cache)\n{subject_caption(streams)}"
+    )
+    return metric_vs_budget(
+        streams, "nll", "perplexity", transform=np.exp, mode=mode, log_y=True, title=title
+    )
 
 
 def kl_vs_budget(streams: pd.DataFrame, mode: str = "original") -> Figure:
@@ -210,13 +216,16 @@ def nll_vs_position(
     context: int | None = None,
     stream_len: int | None = None,
     context_label: str = "training context",
+    smooth: int = 3,
 ) -> Figure:
     """Mean NLL by token position (log x) per policy at one budget: StreamingLLM's Figure 3. `context`: the
     model's training context, marked (past it the full cache attends beyond the positions it was
     trained on); a line stops where its run's stream (or the full-cache reference's cap) ends; a band spans
     the streams (lowest to highest stream mean in each position bucket) where the curves keep them apart.
     Without a full-cache run, the full cache is drawn from the runs' reference (`nll_full`).
-    `stream_len`: only the runs of that stream length (a group can hold streams of several lengths)."""
+    `stream_len`: only the runs of that stream length (a group can hold streams of several lengths).
+    `smooth`: each stream's curve is a centred mean over this many neighbouring log-spaced position
+    buckets (1: none); the axis label states it."""
     P = Policies(curves)
     at = (curves["budget"] == budget) | ~curves["evicts"].astype(bool)
     if stream_len is not None:
@@ -236,6 +245,9 @@ def nll_vs_position(
         g = g.dropna(subset=[col])
         keys = ["position", "stream"] if "stream" in g else ["position"]
         per_stream = g.groupby(keys, as_index=False)[col].mean()  # seeds and runs pooled
+        if smooth > 1:  # each stream's curve: a centred mean over `smooth` neighbouring position buckets
+            by = per_stream.groupby("stream")[col] if "stream" in per_stream else per_stream[col]
+            per_stream[col] = by.transform(lambda v: v.rolling(smooth, center=True, min_periods=1).mean())
         mean = per_stream.groupby("position")[col].agg(["mean", "min", "max"]).reset_index()
         ls = "--" if P.is_reference(name) or col == "nll_full" else "-"
         color = P.color(name) if col == "nll" else "0.2"
@@ -246,7 +258,9 @@ def nll_vs_position(
     if context is not None:
         ax.axvline(context, color="k", lw=1.0, ls="-.", label=f"{context_label} ({context:,})")
     ax.set_xscale("log")
-    title = f"NLL by position, budget {budget} ({mode} positions)\n{subject_caption(c)}"
+    how = f"\neach curve smoothed over {smooth} log-spaced position buckets" if smooth > 1 else ""
+    band = "; band: lowest to highest stream" if "stream" in c and c["stream"].nunique() > 1 else ""
+    title = f"NLL by position, budget {budget} ({mode} positions)\n{subject_caption(c)}{how}{band}"
     return _finish(fig, ax, "token position in the stream", "NLL [nats]", title)
 
 
