@@ -171,4 +171,7 @@ def test_sweep_over_a_local_checkpoint_runs_every_policy(kind, tmp_path: Path):
             assert m["status"] == "ok" and m["scored_tokens"] == 2 * 47, (kind, name, mode)
             if name == "full":
                 assert m["kl_mean"] == pytest.approx(0, abs=1e-5)
+                # the recorded shape is the checkpoint's (hidden 32, 2 layers), not gpt_small's defaults
+                info = json.loads((run_mod.run_dir(cfg) / "run_info.json").read_text())
+                assert (info["model_config"]["n_embd"], info["model_config"]["n_layer"]) == (32, 2)
     assert not list(outputs.glob("checkpoints/*"))  # nothing was trained

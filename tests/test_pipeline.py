@@ -58,6 +58,7 @@ def test_run_writes_its_files_and_resumes(outputs: Path):
     info = json.loads((d / "run_info.json").read_text())
     assert {"git", "packages", "host", "slurm_job_id", "torch", "cpu_capability", "python"} <= set(info)
     assert info["torch_threads"] == cfg.eval.threads  # the count the run used, not the process default
+    assert info["model_config"]["n_layer"] == cfg.model.n_layer and info["model_config"]["name"] == "gpt_tiny"
     ck_meta = json.loads((outputs / "checkpoints" / metrics["checkpoint"] / "meta.json").read_text())
     assert metrics["weights_sha256"] == ck_meta["weights_sha256"]  # the run names the weights it measured
     # every key a run emits is documented in docs/results.md

@@ -168,6 +168,7 @@ class RunStages:
         clock = StageClock()
         with clock("subject"):  # corpus and checkpoint (loaded, or trained once)
             corpus, ck, model = self.subject()
+        self.record_model(model)
         with clock("streams"):
             tokens, recall = self.streams(corpus, model)
         policy, budget, spec = self.cfg.strategy.build(), self.cfg.resolved_budget, self.cfg.eval.spec()
@@ -200,6 +201,15 @@ class RunStages:
         with clock("tracking"):
             self.track(metrics | clock.seconds(), curve, generations)
         return metrics | clock.seconds()
+
+    def record_model(self, model: GPT) -> None:
+        """run_info.json's `model_config`: the shape of the model that ran, as loaded (an imported
+        checkpoint brings its own; config.yaml's model fields are the small GPT's, unused then)."""
+        from evictlab.store import to_jsonable
+
+        path = self.out / R.RUN_INFO
+        if path.exists():
+            write_json(path, read_json(path) | {"model_config": to_jsonable(model.cfg)})
 
     def subject(self) -> tuple[Corpus, Checkpoint, GPT]:
         """The corpus and the model (trained or loaded from the cache), on the evaluation device."""
