@@ -352,9 +352,6 @@ class Config:
         return Path(self.paths.outputs)
 
 
-BUDGET_FILES = [p.stem for p in (CONF_DIR / "budget").glob("*.yaml")]
-
-
 def register_configs() -> None:
     """The typed schema of conf/config.yaml, and for each registered policy a node `policy/<name>` holding
     its dataclass defaults: `conf/strategy/<name>.yaml` extends it (`defaults: [/policy@_here_: <name>]`),
@@ -392,8 +389,9 @@ def budget_shorthand(overrides: list[str]) -> list[str]:
         if all(n is None for n in numeric):
             out.append(o)
         elif any(n is None for n in numeric):
+            files = ", ".join(sorted(p.stem for p in (CONF_DIR / "budget").glob("*.yaml")))
             raise ConfigError(
-                f"budget={value}: a list mixes budget files ({', '.join(sorted(BUDGET_FILES))}) with numbers;"
+                f"budget={value}: a list mixes budget files ({files}) with numbers;"
                 " write budget.tokens=64,100 (entries) or budget=b64,b128 (files)"
             )
         elif all(isinstance(n, int) for n in numeric):

@@ -225,7 +225,7 @@ def nll_vs_position(
     Without a full-cache run, the full cache is drawn from the runs' reference (`nll_full`).
     `stream_len`: only the runs of that stream length (a group can hold streams of several lengths).
     `smooth`: each stream's curve is a centred mean over this many neighbouring log-spaced position
-    buckets (1: none); the axis label states it."""
+    buckets (1: none); the title states it."""
     P = Policies(curves)
     at = (curves["budget"] == budget) | ~curves["evicts"].astype(bool)
     if stream_len is not None:
@@ -245,9 +245,15 @@ def nll_vs_position(
         g = g.dropna(subset=[col])
         keys = ["position", "stream"] if "stream" in g else ["position"]
         per_stream = g.groupby(keys, as_index=False)[col].mean()  # seeds and runs pooled
-        if smooth > 1:  # each stream's curve: a centred mean over `smooth` neighbouring position buckets
-            by = per_stream.groupby("stream")[col] if "stream" in per_stream else per_stream[col]
-            per_stream[col] = by.transform(lambda v: v.rolling(smooth, center=True, min_periods=1).mean())
+        if smooth > 1:  # each stream's curve (rows in position order): a centred mean over `smooth` buckets
+
+            def rolled(v: pd.Series) -> pd.Series:
+                return v.rolling(smooth, center=True, min_periods=1).mean()
+
+            by_stream = "stream" in per_stream
+            per_stream[col] = (
+                per_stream.groupby("stream")[col].transform(rolled) if by_stream else rolled(per_stream[col])
+            )
         mean = per_stream.groupby("position")[col].agg(["mean", "min", "max"]).reset_index()
         ls = "--" if P.is_reference(name) or col == "nll_full" else "-"
         color = P.color(name) if col == "nll" else "0.2"

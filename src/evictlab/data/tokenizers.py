@@ -170,10 +170,10 @@ def train_bpe(texts: list[str], vocab_size: int, dest: Path) -> None:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=sys.stderr.isatty(),  # the library's own bars, on a terminal
     )
-    mb = sum(len(t) for t in texts) / 1e6
+    chars = sum(len(t) for t in texts) / 1e6
     print(
-        f"training a BPE tokenizer ({vocab_size} tokens) on {len(texts):,} documents ({mb:.1f} MB); "
-        "cached after this",
+        f"training a BPE tokenizer ({vocab_size} tokens) on {len(texts):,} documents "
+        f"({chars:.1f}M characters); cached after this",
         file=sys.stderr,
         flush=True,
     )

@@ -135,7 +135,7 @@ class EvictlabSweeper(BasicSweeper):
         batches = BasicSweeper.split_arguments(overrides, max_batch_size)
         jobs = [job for batch in batches for job in batch]
         folders = [self.folder(job) for job in jobs]
-        runs = {f for f in folders if f is not None} | {i for i, f in enumerate(folders) if f is None}
+        runs = len({f for f in folders if f is not None}) + folders.count(None)  # an invalid job: its own
         seen, todo = set(), []
         for job, folder in zip(jobs, folders, strict=True):
             if folder is None:
@@ -144,12 +144,12 @@ class EvictlabSweeper(BasicSweeper):
                 seen.add(folder)
                 if not is_done(folder):
                     todo.append(job)
-        done = len(runs) - len(todo)
+        done = runs - len(todo)
         shared = f" ({len(jobs)} jobs: some share a run, as the full cache's one run serves every budget)"
         if done:
             print(
-                f"{done} of {len(runs)} runs already finished: not launched"
-                + (shared if len(runs) < len(jobs) else ""),
+                f"{done} of {runs} runs already finished: not launched"
+                + (shared if runs < len(jobs) else ""),
                 file=sys.stderr,
             )
         size = max_batch_size or len(todo) or 1
