@@ -51,16 +51,17 @@ def read_records(path: str | Path) -> list[Any]:
     return [wandb_internal_pb2.Record.FromString(b) for b in out]
 
 
-def read_run(path: str | Path, wait_s: float = 30.0) -> dict[str, Any]:
+def read_run(path: str | Path, wait_s: float = 60.0) -> dict[str, Any]:
     """The run's id, group, job type, tags, config (values decoded) and final summary.
 
-    wandb-core writes the file from its own process; on a busy machine the run record can land after
-    `run.finish()` has returned, so the reader waits up to `wait_s` for it."""
+    wandb-core writes the file from its own process; on a busy machine the run, history and summary
+    records can land after `run.finish()` has returned (CI once read a report run with its run record
+    but no history), so the reader waits up to `wait_s` for the run's last record, `exit`."""
     import time
 
     deadline = time.monotonic() + wait_s
     records = read_records(path)
-    while not any(r.WhichOneof("record_type") == "run" for r in records) and time.monotonic() < deadline:
+    while not any(r.WhichOneof("record_type") == "exit" for r in records) and time.monotonic() < deadline:
         time.sleep(0.5)
         records = read_records(path)
     info: dict[str, Any] = {"config": {}, "summary": {}, "tags": [], "history": []}
