@@ -56,7 +56,7 @@ def test_bad_budgets_fail_before_work(model, tokens, name, params, budget, match
 @pytest.mark.parametrize(
     "name, params, match",
     [
-        ("belady", {}, "unknown strategy 'belady'; known: full, h2o, l2norm"),
+        ("belady", {}, "unknown strategy 'belady'; known: bos_ablation, full, h2o"),
         ("h2o", {"recent_fraction": 1.5}, "recent_fraction=1.5 must be in"),
         ("h2o", {"heavy": 3}, "has no parameter heavy; its parameters: strategy.params.recent_fraction"),
         ("streaming_llm", {"n_sink": -1}, "n_sink=-1"),

@@ -137,7 +137,7 @@ def test_offline_wandb_run_holds_config_tags_and_metrics(outputs: Path):
         "strategy:streaming_llm", "budget:b16", "model:gpt_tiny", "dataset:pydoc_topics",
         "position_mode:original",
     }  # fmt: skip
-    assert wb["config"]["strategy"] == {"name": "streaming_llm", "params": {"n_sink": 4}}
+    assert wb["config"]["strategy"] == {"name": "streaming_llm", "params": {"n_sink": 4, "first_sink": 0}}
     assert wb["config"]["budget"]["tokens"] == 16 and wb["config"]["seed"] == 0
     for key in ("ppl", "ppl_second_half", "kl_mean", "agreement", "kv_bytes", "token_steps_per_s"):
         assert wb["summary"][key] == pytest.approx(metrics[key]), key

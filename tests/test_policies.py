@@ -17,10 +17,28 @@ from evictlab.models.gpt import GPT, GPTConfig
 T = 40  # stream length (tokens, prefix included): 39 predicted tokens
 NAMES = sorted(POLICIES)
 MODES = ["original", "cache"]
+# Each policy with its defaults, and the parameter settings that change which path or code runs
+# (issue 27's ablations: a text-token sink, BOS re-encoded at the head of each window, BOS's value or one
+# layer's BOS key ablated). A case is "name" or "name:param=value,...".
+EXTRA = {
+    "streaming_llm:n_sink=1,first_sink=1": ("streaming_llm", {"n_sink": 1, "first_sink": 1}),
+    "recompute_window:n_sink=1": ("recompute_window", {"n_sink": 1}),
+    "recompute_window:n_sink=3": ("recompute_window", {"n_sink": 3}),
+    "bos_ablation:part=value": ("bos_ablation", {"part": "value"}),
+    "bos_ablation:layer=1": ("bos_ablation", {"layer": 1}),
+    "bos_ablation:part=value,layer=0": ("bos_ablation", {"part": "value", "layer": 0}),
+}
+CASES = {**{n: (n, {}) for n in NAMES}, **EXTRA}
+ABLATIONS = [c for c, (n, _) in CASES.items() if POLICIES[n].ablation]
 
 
-def small_budget(name: str) -> int:
-    return max(10, make_policy(name).min_budget() + 3)
+def policy_of(case: str):
+    name, params = CASES.get(case, (case, {}))
+    return make_policy(name, **params)
+
+
+def small_budget(case: str) -> int:
+    return max(10, policy_of(case).min_budget() + 3)
 
 
 VARIANTS = {
@@ -63,17 +81,17 @@ def setup(request):
 def run(setup, name, mode, budget, force_loop=False):
     model, tokens, ref = setup
     spec = StreamSpec(position_mode=mode, force_loop=force_loop)
-    return stream(model, tokens, make_policy(name), budget, spec, reference=ref)
+    return stream(model, tokens, policy_of(name), budget, spec, reference=ref)
 
 
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", list(CASES))
 @pytest.mark.parametrize("size", ["small", "covers"])
 def test_engine_equals_reference_loop(setup, name, mode, size):
     model, tokens, ref = setup
     budget = small_budget(name) if size == "small" else T
     out = run(setup, name, mode, budget)
-    policy = make_policy(name)
+    policy = policy_of(name)
     for b in range(tokens.shape[0]):
         nll, kept = reference_stream(
             model, tokens[b], policy, budget, StreamSpec(position_mode=mode), reference=ref, doc=b, row=b
@@ -86,13 +104,13 @@ def test_engine_equals_reference_loop(setup, name, mode, size):
 
 
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", [c for c in CASES if c not in ABLATIONS])
 def test_budget_covering_the_stream_equals_full_cache(setup, name, mode):
     model, tokens, ref = setup
     full = run(setup, "full", mode, T)
     out = run(setup, name, mode, T - 1)  # T-1 predicted tokens: nothing is ever evicted
     torch.testing.assert_close(out.nll, full.nll, rtol=0, atol=1e-10)
-    if name != "recompute_window":
+    if not name.startswith("recompute_window"):
         assert out.lost is None or out.lost.abs().max() < 1e-12
 
 
@@ -108,7 +126,7 @@ def test_full_cache_equals_one_teacher_forced_forward(setup):
 
 
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("name", [n for n in NAMES if n != "full"])
+@pytest.mark.parametrize("name", [c for c in CASES if policy_of(c).evicts])
 def test_occupancy_never_exceeds_budget(setup, name, mode):
     budget = small_budget(name)
     out = run(setup, name, mode, budget, force_loop=True)
@@ -146,19 +164,21 @@ def assert_same_stream(fast, loop) -> None:
 
 PARALLEL = [
     (n, m)
-    for n in NAMES
+    for n in CASES
     for m in MODES
-    if plan(make_policy(n), 16, StreamSpec(position_mode=PositionMode(m)), 2, 64).path == "parallel"
+    if plan(policy_of(n), 16, StreamSpec(position_mode=PositionMode(m)), 2, 64).path == "parallel"
 ]
+STATIC = {"full", "window", "streaming_llm", *ABLATIONS}
 
 
 def test_parallel_path_exists_for_the_position_static_policies():
-    assert {n for n, _ in PARALLEL} == {"full", "window", "streaming_llm"}
+    assert {n for n, _ in PARALLEL} == STATIC  # not streaming_llm with a text-token sink: blocked
     # in cache mode too: a contiguous run keeps its distances, and the sinks are seen from a fixed rank
-    assert {n for n, m in PARALLEL if m == "cache"} == {"full", "window", "streaming_llm"}
+    assert {n for n, m in PARALLEL if m == "cache"} == STATIC
+    assert plan(policy_of("streaming_llm:n_sink=1,first_sink=1"), 16, StreamSpec(), 2, 64).path == "blocked"
 
 
-@pytest.mark.parametrize("name, mode", PARALLEL)
+@pytest.mark.parametrize("name, mode", [(n, m) for n, m in PARALLEL if n not in ABLATIONS])
 def test_parallel_path_equals_token_loop(setup, name, mode):
     budget = small_budget(name)
     fast, loop = run(setup, name, mode, budget), run(setup, name, mode, budget, force_loop=True)
@@ -167,28 +187,32 @@ def test_parallel_path_equals_token_loop(setup, name, mode):
 
 
 @pytest.mark.parametrize("block", [3, 7])  # 3: the first block holds fewer tokens than StreamingLLM's 4 sinks
-@pytest.mark.parametrize("name, mode", PARALLEL + [("recompute_window", m) for m in MODES])
+@pytest.mark.parametrize(
+    "name, mode", PARALLEL + [(c, m) for c in CASES if c.startswith("recompute_window") for m in MODES]
+)
 def test_blocked_static_paths_equal_the_token_loop(setup, name, mode, block):
     """Streams several times the block: each block of queries sees only the keys its window reaches."""
     model, tokens, ref = setup
     budget = small_budget(name)
     blocked = stream(
-        model, tokens, make_policy(name), budget, StreamSpec(position_mode=mode, block=block), reference=ref
+        model, tokens, policy_of(name), budget, StreamSpec(position_mode=mode, block=block), reference=ref
     )
     whole = run(setup, name, mode, budget)  # one block
     torch.testing.assert_close(blocked.nll, whole.nll, rtol=0, atol=1e-10)
     torch.testing.assert_close(blocked.kl, whole.kl, rtol=0, atol=1e-10)
     torch.testing.assert_close(blocked.lost, whole.lost, rtol=0, atol=1e-10)
-    if name != "recompute_window":
+    if not name.startswith("recompute_window") and name not in ABLATIONS:
         loop = run(setup, name, mode, budget, force_loop=True)
         torch.testing.assert_close(blocked.nll, loop.nll, rtol=0, atol=1e-10)
 
 
-BLOCKED = [n for n in NAMES if not make_policy(n).recompute and make_policy(n).static_window(1) is None]
+BLOCKED = [n for n in CASES if not policy_of(n).recompute and policy_of(n).static_window(1) is None]
 
 
 def test_block_paths_exist_for_every_policy_that_is_not_position_static():
-    assert set(BLOCKED) == {"h2o", "l2norm", "oracle", "random", "scissorhands", "tova"}
+    assert set(BLOCKED) == {
+        "h2o", "l2norm", "oracle", "random", "scissorhands", "tova", "streaming_llm:n_sink=1,first_sink=1"
+    }  # fmt: skip
 
 
 @pytest.mark.parametrize("block", [5, 7, 64])  # blocks shorter than the budget, and one block for all
@@ -200,7 +224,7 @@ def test_block_paths_equal_token_loop(setup, name, mode, block):
     model, tokens, ref = setup
     budget = small_budget(name)
     spec = StreamSpec(position_mode=mode, block=block)
-    fast = stream(model, tokens, make_policy(name), budget, spec, reference=ref)
+    fast = stream(model, tokens, policy_of(name), budget, spec, reference=ref)
     loop = run(setup, name, mode, budget, force_loop=True)
     assert fast.path == "blocked" and loop.path == "loop"
     assert_same_stream(fast, loop)

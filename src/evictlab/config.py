@@ -313,6 +313,9 @@ class Config:
     # the sweep (experiment) a run belongs to: names its folder and W&B group
     group: str = field(default="adhoc", metadata=KEYLESS)
     variant: str = "base"  # name of the conf/variant/ recipe the model/train/dataset keys came from
+    # name of the conf/arm/ option the strategy and its parameters came from: a label for tables and figures
+    # (what it sets is in the key already)
+    arm: str = field(default="none", metadata=KEYLESS)
     # in a sweep grid: skip (exit 0) a combination that fails validation
     skip_invalid: bool = field(default=False, metadata=KEYLESS)
 

@@ -68,6 +68,7 @@ ID_COLUMNS = [
     "strategy_label",
     "strategy_order",
     "evicts",
+    "ablation",
     "non_causal",
     "budget",
     "budget_name",

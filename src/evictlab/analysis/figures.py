@@ -13,6 +13,7 @@ import matplotlib
 matplotlib.use("Agg")
 
 import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.ticker as mticker  # noqa: E402
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 import seaborn as sns  # noqa: E402
@@ -24,8 +25,11 @@ from evictlab.analysis.stats import (  # noqa: E402
     eviction_arms,
     eviction_ratios,
     first_token_mass,
+    is_reference,
     layer_values,
     reference,
+    run_labels,
+    run_settings,
     subject_caption,
     summarize_streams,
     variants,
@@ -227,7 +231,7 @@ def nll_vs_position(
     `smooth`: each stream's curve is a centred mean over this many neighbouring log-spaced position
     buckets (1: none); the title states it."""
     P = Policies(curves)
-    at = (curves["budget"] == budget) | ~curves["evicts"].astype(bool)
+    at = (curves["budget"] == budget) | is_reference(curves)
     if stream_len is not None:
         at &= curves["stream_len"] == stream_len
     c = curves[(curves["position_mode"] == mode) & at]
@@ -356,12 +360,6 @@ def position_modes(streams: pd.DataFrame) -> Figure:
     return _finish(fig, ax, "KV budget (entries per layer)", "perplexity ratio, cache / original", title)
 
 
-def run_settings(results: pd.DataFrame, columns: dict[str, str]) -> pd.DataFrame:
-    """One row per run_key with the named config columns of results.parquet (renamed: {column: name})."""
-    have = [c for c in columns if c in results]
-    return results.drop_duplicates("run_key").set_index("run_key")[have].rename(columns=columns)
-
-
 def sinks_vs_count(streams: pd.DataFrame, results: pd.DataFrame) -> Figure:
     """StreamingLLM's initial-token table as a figure: the sinks-plus-window cache's perplexity relative to
     the full cache (paired, 95% CI over streams) against the number of initial positions kept (0: a plain
@@ -390,6 +388,93 @@ def sinks_vs_count(streams: pd.DataFrame, results: pd.DataFrame) -> Figure:
     return _finish(
         fig, ax, "initial positions kept (n_sink; 0 = window)", "perplexity / full-cache perplexity", title
     )
+
+
+# conf/arm/'s arms in figure order (the eviction arms from least to most of the stream's start kept, then
+# the interventions on the full cache) and their names in figures; any other arm follows, by its name
+ARMS = {
+    "window": "window (BOS evicted)",
+    "recompute": "window + recompute",
+    "sink_text": "1 sink: the first text token",
+    "sink_bos": "1 sink: BOS",
+    "recompute_bos": "window + recompute, BOS prepended",
+    "sinks4": "StreamingLLM, 4 sinks",
+    "bos_key": "full cache, BOS key masked",
+    "bos_value": "full cache, BOS value zeroed",
+}
+
+
+def ablations(streams: pd.DataFrame, results: pd.DataFrame) -> Figure:
+    """Issue 27's arms side by side: each arm's perplexity relative to the full cache (paired per stream;
+    a hierarchical 95% CI over training runs, then streams, when there are several), with each training
+    run's own ratio as a small marker; beside it, when the sweep holds them, BOS's key and value ablated
+    one layer at a time."""
+    settings = run_settings(results, {"cfg.strategy.params.layer": "layer"})
+    labels = run_labels(results).rename("arm")
+    s = streams[~is_reference(streams)].join(labels, on="run_key").join(settings, on="run_key")
+    s = s.assign(delta=s["nll"] - s["nll_full"], layer=s.get("layer", pd.Series(-1, index=s.index)))
+    whole = s[s["layer"].fillna(-1).astype(int) < 0]
+    by_layer = s[s["layer"].fillna(-1).astype(int) >= 0]
+    modes = sorted(whole["position_mode"].unique(), key=lambda m: m != "original")
+    r = summarize_streams(whole, "delta", np.exp, keys=("arm", "position_mode"))
+    per_run = whole.groupby(["arm", "position_mode", "checkpoint"])["delta"].mean().map(np.exp)
+    arms = sorted(r["arm"].unique(), key=lambda a: (list(ARMS).index(a) if a in ARMS else len(ARMS), a))
+    fig, axes = plt.subplots(
+        1, 2 if len(by_layer) else 1, figsize=(11.5 if len(by_layer) else 7.4, 0.42 * len(arms) + 1.9),
+        squeeze=False, gridspec_kw={"width_ratios": [1.5, 1]} if len(by_layer) else None,
+    )  # fmt: skip
+    ax = axes[0, 0]
+    for k, mode in enumerate(modes):
+        offset = 0.0 if len(modes) == 1 else (k - 0.5) * 0.3
+        g = r[r["position_mode"] == mode].set_index("arm")
+        ys = [arms.index(a) + offset for a in g.index]
+        color = _PALETTE[k]
+        ax.errorbar(
+            g["point"], ys, xerr=[g["point"] - g["low"], g["high"] - g["point"]], fmt="o", ms=5, capsize=3,
+            color=color, label=f"{mode} positions, mean [95% CI]",
+        )  # fmt: skip
+        runs = per_run.xs(mode, level="position_mode")
+        ax.scatter(
+            runs.to_numpy(), [arms.index(a) + offset for a in runs.index.get_level_values("arm")],
+            marker="x", s=22, color="0.3", lw=1, zorder=3, label="one training run" if k == 0 else None,
+        )  # fmt: skip
+    ax.axvline(1.0, color="k", lw=0.8, ls=":", label="full cache")
+    ax.set_yticks(range(len(arms)))
+    ax.set_yticklabels([ARMS.get(a, a) for a in arms])
+    ax.invert_yaxis()
+    ax.set_xscale("log")
+    ax.xaxis.set_major_formatter(mticker.FormatStrFormatter("%.3g"))
+    ax.xaxis.set_minor_formatter(mticker.FormatStrFormatter("%.3g"))
+    ax.set_xlabel("perplexity / full-cache perplexity")
+    trainings = int(r["clusters"].max()) if len(r) else 0
+    budget = ", ".join(str(int(b)) for b in sorted(evicting(whole)["budget"].unique())) or "-"
+    ci = "95% CI over training runs, then streams" if trainings > 1 else "95% CI over streams"
+    runs_word = f"{trainings} training run{'s' if trainings != 1 else ''}"
+    ax.set_title(
+        f"What the first token does: budget {budget}, {runs_word}, paired {ci}\n{subject_caption(whole)}",
+        fontsize=10,
+    )
+    ax.legend(fontsize=8, loc="lower right", frameon=False)
+    if len(by_layer):
+        ax2 = axes[0, 1]
+        rl = summarize_streams(by_layer, "delta", np.exp, keys=("arm", "layer"))
+        for k, (arm, g) in enumerate(rl.groupby("arm")):
+            g = g.sort_values("layer")
+            color = _PALETTE[2 + k]
+            ax2.plot(g["layer"], g["point"], marker="o", ms=4, color=color, label=ARMS.get(arm, arm))
+            ax2.fill_between(g["layer"], g["low"], g["high"], color=color, alpha=0.15, lw=0)
+            if arm in set(r["arm"]):  # the same ablation in every layer at once
+                every = r[(r["arm"] == arm) & (r["position_mode"] == modes[0])]["point"]
+                ax2.axhline(float(every.iloc[0]), color=color, lw=0.8, ls="--", label="... in every layer")
+        ax2.axhline(1.0, color="k", lw=0.8, ls=":")
+        ax2.set_xticks(sorted(rl["layer"].unique()))
+        _log_y(ax2)
+        ax2.set_xlabel("layer ablated (one at a time)")
+        ax2.set_ylabel("perplexity / full-cache perplexity")
+        ax2.set_title("BOS ablated in one layer", fontsize=10)
+        ax2.legend(fontsize=8, frameon=False, loc="best")
+    fig.tight_layout()
+    return fig
 
 
 def attention_heatmap(attention: pd.DataFrame) -> Figure:
@@ -685,6 +770,14 @@ def _sink_counts(t: Tables) -> bool:
     return policies == {"streaming_llm"} and t["results"][column].nunique() > 1
 
 
+def _arms(t: Tables) -> bool:
+    """A sweep over named arms (conf/arm/), compared with the full cache."""
+    results = t.get("results", pd.DataFrame())
+    if "nll_full" not in t["streams"] or "cfg.arm" not in results:
+        return False
+    return bool((results["cfg.arm"].fillna("none") != "none").any())
+
+
 def _variant_sink(t: Tables) -> bool:
     return _many_variants(t) and bool(first_token_mass(t["layers"]))
 
@@ -712,6 +805,7 @@ FIGURES: dict[str, FigureSpec] = {
     "sinks_vs_count": FigureSpec(
         lambda t, **a: sinks_vs_count(t["streams"], t["results"], **a), _sink_counts
     ),
+    "ablations": FigureSpec(lambda t, **a: ablations(t["streams"], t["results"], **a), _arms),
     "sink_by_variant": FigureSpec(_on("layers", sink_by_variant), _variant_sink, per_variant=True),
     "eviction_by_variant": FigureSpec(
         _on("streams", eviction_by_variant), _variant_eviction, per_variant=True

@@ -54,26 +54,32 @@ def headline_table(tables: dict[str, pd.DataFrame]) -> pd.DataFrame:
     """Per policy x budget x mode: perplexity with 95% CI, KL, agreement, KV KiB."""
     streams, runs = tables["streams"], tables["runs"]
     P = S.PolicyOrder(streams)
-    keys = ["strategy", "budget", "position_mode"]
-    for col in ("variant", "dataset", "model"):  # what a sweep varies besides the policy splits its rows
-        if col in streams and streams[col].nunique() > 1:
-            keys = [col, *keys]
+    prefix = [c for c in ("model", "dataset", "variant") if c in streams and streams[c].nunique() > 1]
+    setting = []  # runs of one strategy with different parameters (or conf/arm/ arms) get their own rows
+    if "results" in tables and not tables["results"].empty:
+        labels = S.run_labels(tables["results"])
+        if (labels != "").any():
+            streams = streams.assign(setting=streams["run_key"].map(labels).fillna(""))
+            runs = runs.assign(setting=runs["run_key"].map(labels).fillna(""))
+            setting = ["setting"]
+    keys = [*prefix, "strategy", *setting, "budget", "position_mode"]
     ppl = S.summarize_streams(streams, "nll", np.exp, keys)
     ppl["perplexity [95% CI]"] = [
         f"{p:.3f} [{lo:.3f}, {hi:.3f}]{' *' if n < MIN_UNITS else ''}"
         for p, lo, hi, n in ppl[["point", "low", "high", "n"]].values
     ]
     extra = runs.groupby(keys, as_index=False)[[c for c in ("kl_mean", "agreement", "kv_bytes") if c in runs]]
-    t = ppl[[*keys, "perplexity [95% CI]", "n"]].merge(extra.mean(), on=keys, how="left")
+    trainings = ["clusters"] if (ppl["clusters"] > 1).any() else []  # hierarchical CIs: say over how many
+    t = ppl[[*keys, "perplexity [95% CI]", "n", *trainings]].merge(extra.mean(), on=keys, how="left")
     t["kv_KiB"] = t.pop("kv_bytes") / 1024
     t["order"] = t["strategy"].map(P.order)
-    t = t.sort_values([*keys[:-3], "position_mode", "order", "budget"]).drop(columns="order")
+    t = t.sort_values([*prefix, "position_mode", "order", *setting, "budget"]).drop(columns="order")
     t["strategy"] = t["strategy"].map(P.label)
     for col, fmt in (("kl_mean", "{:.4f}"), ("agreement", "{:.3f}"), ("kv_KiB", "{:,.0f}")):
         if col in t:  # fixed decimals: the full cache's KL reads 0.0000, not 6.022e-09
             t[col] = [fmt.format(v) if pd.notna(v) else "-" for v in t[col]]
     t["budget"] = t["budget"].astype(int)
-    return t.rename(columns={"n": "units (seed x stream)"})
+    return t.rename(columns={"n": "units (seed x stream)", "clusters": "training runs"})
 
 
 def shared_settings(results: pd.DataFrame) -> pd.Series:

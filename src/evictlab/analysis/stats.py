@@ -16,7 +16,7 @@ class PolicyOrder:
         f = frame.drop_duplicates("strategy").set_index("strategy")
         self.order = {n: int(f.at[n, "strategy_order"]) if "strategy_order" in f else 100 for n in f.index}
         self.labels = {n: f.at[n, "strategy_label"] if "strategy_label" in f else n for n in f.index}
-        self.references = {n for n in f.index if "evicts" in f and not bool(f.at[n, "evicts"])}
+        self.references = set(f.index[is_reference(f).to_numpy()]) if "evicts" in f else set()
         self.non_causal = {n for n in f.index if "non_causal" in f and bool(f.at[n, "non_causal"])}
 
     def ordered(self, names=None) -> list[str]:
@@ -31,13 +31,25 @@ class PolicyOrder:
 
 
 def evicting(frame: pd.DataFrame) -> pd.DataFrame:
-    """The rows of policies that evict (everything but the full-cache reference)."""
+    """The rows of policies that evict (neither the full-cache reference nor an ablation of it)."""
     return frame[frame["evicts"].astype(bool)]
+
+
+def is_reference(frame: pd.DataFrame) -> pd.Series:
+    """Per row: is it the full-cache reference (keeps every entry, no ablation; tables from before the
+    `ablation` column have none)."""
+    ablation = frame["ablation"].eq(True) if "ablation" in frame else False
+    return ~frame["evicts"].astype(bool) & ~ablation
 
 
 def reference(frame: pd.DataFrame) -> pd.DataFrame:
     """The rows of the full-cache reference."""
-    return frame[~frame["evicts"].astype(bool)]
+    return frame[is_reference(frame)]
+
+
+def ablations(frame: pd.DataFrame) -> pd.DataFrame:
+    """The rows of ablations of the full cache (bos_ablation)."""
+    return frame[frame["ablation"].eq(True)] if "ablation" in frame else frame.iloc[:0]
 
 
 def bootstrap_ci(
@@ -55,19 +67,71 @@ def bootstrap_ci(
     return point, float(min(lo, point)), float(max(hi, point))
 
 
+def nested_bootstrap_ci(
+    values: np.ndarray, clusters: np.ndarray, n_boot: int = 2000, seed: int = 0, level: float = 0.95
+) -> tuple[float, float, float]:
+    """(point, low, high) of the mean over clusters of each cluster's mean (e.g. training runs, then the
+    streams each was evaluated on), by a two-stage bootstrap: resample the clusters, then the units inside
+    each drawn cluster. The CI holds both sources of variation; with one cluster it is the plain one."""
+    values, clusters = np.asarray(values, dtype=float), np.asarray(clusters)
+    groups = [values[clusters == c] for c in pd.unique(clusters)]
+    point = float(np.mean([g.mean() for g in groups]))
+    if len(groups) < 2:
+        return bootstrap_ci(values, seed=seed, n_boot=n_boot, level=level)
+    rng = np.random.default_rng(seed)
+    picks = rng.integers(0, len(groups), size=(n_boot, len(groups)))
+    boots = np.empty(n_boot)
+    for i, pick in enumerate(picks):
+        boots[i] = np.mean([g[rng.integers(0, len(g), len(g))].mean() for g in (groups[j] for j in pick)])
+    lo, hi = np.quantile(boots, [(1 - level) / 2, 1 - (1 - level) / 2])
+    return point, float(min(lo, point)), float(max(hi, point))
+
+
+CLUSTER = "checkpoint"  # trainings of one recipe with different train.seed are different checkpoints
+
+
 def summarize_streams(
     streams: pd.DataFrame, column: str, transform=None, keys=("strategy", "budget", "position_mode")
 ) -> pd.DataFrame:
     """Per (strategy, budget, position_mode) or other keys: point estimate and 95% CI of mean(column)
-    over (seed, stream) units, optionally transformed (exp for perplexity)."""
+    over (seed, stream) units, optionally transformed (exp for perplexity). Where a group holds several
+    checkpoints (training seeds of one recipe), the CI is hierarchical: training run, then stream
+    (`nested_bootstrap_ci`). `n`: the units; `clusters`: the checkpoints they come from."""
     rows = []
     keys = list(keys)
     for key, g in streams.groupby(keys, dropna=False):
-        point, lo, hi = bootstrap_ci(g[column].to_numpy())
+        clusters = g[CLUSTER].to_numpy() if CLUSTER in g and CLUSTER not in keys else np.zeros(len(g))
+        point, lo, hi = nested_bootstrap_ci(g[column].to_numpy(), clusters)
         if transform is not None:
             point, lo, hi = transform(point), transform(lo), transform(hi)
-        rows.append(dict(zip(keys, key, strict=True)) | {"point": point, "low": lo, "high": hi, "n": len(g)})
+        n_clusters = len(pd.unique(clusters))
+        rows.append(
+            dict(zip(keys, key, strict=True))
+            | {"point": point, "low": lo, "high": hi, "n": len(g), "clusters": n_clusters}
+        )
     return pd.DataFrame(rows)
+
+
+def run_settings(results: pd.DataFrame, columns: dict[str, str]) -> pd.DataFrame:
+    """One row per run_key with the named config columns of results.parquet (renamed: {column: name})."""
+    have = [c for c in columns if c in results]
+    return results.drop_duplicates("run_key").set_index("run_key")[have].rename(columns=columns)
+
+
+def run_labels(results: pd.DataFrame) -> pd.Series:
+    """run_key -> what tells runs of one strategy apart: the conf/arm/ name where one was chosen, else the
+    strategy parameters that vary between its runs ("n_sink=1"); "" where nothing does."""
+    runs = results.drop_duplicates("run_key").set_index("run_key")
+    params = [c for c in runs if c.startswith("cfg.strategy.params.")]
+    labels = pd.Series("", index=runs.index, dtype=object)
+    for _, g in runs.groupby("strategy"):
+        varying = [c for c in params if g[c].notna().any() and g[c].astype(str).nunique() > 1]
+        for key, row in g.iterrows():
+            labels[key] = ", ".join(f"{c.rsplit('.', 1)[1]}={row[c]}" for c in varying if pd.notna(row[c]))
+    if "cfg.arm" in runs:
+        arm = runs["cfg.arm"].fillna("none").astype(str)
+        labels = labels.where(arm == "none", arm)
+    return labels
 
 
 def layer_values(layers: pd.DataFrame, metric: str) -> pd.DataFrame:

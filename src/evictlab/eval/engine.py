@@ -80,6 +80,12 @@ def plan(policy: Policy, budget: int, spec: StreamSpec, n_layer: int, T: int) ->
             raise ConfigError(f"{policy.name} re-encodes one window for all layers: use allocation=uniform")
         return Plan("recompute", budgets, spec.block)
     windows = [policy.static_window(b) for b in budgets]
+    if policy.ablation:
+        policy.ablated(n_layer)  # a layer the model has
+        if spec.force_loop or spec.compile:
+            raise ConfigError(
+                f"{policy.name} runs on the parallel path only: unset eval.force_loop/eval.compile"
+            )
     if windows[0] is not None and not spec.force_loop:
         bounded = all(recent is not None for _, recent in windows)
         # the full cache's blocks grow with the stream: each block re-reads every earlier key
@@ -103,12 +109,13 @@ def _static_output(per_token: dict, tokens: torch.Tensor, p: Plan) -> StreamOutp
 def run_parallel(model, tokens, policy, p: Plan, reference, doc, spec: StreamSpec) -> StreamOutput:
     windows = [policy.static_window(b) for b in p.budgets]
     cache_mode = spec.position_mode is PositionMode.cache
-    per_token = stream_static(model, tokens, windows, reference, p.block, cache_mode)
+    ablate = (policy.part, policy.ablated(len(windows))) if policy.ablation else None
+    per_token = stream_static(model, tokens, windows, reference, p.block, cache_mode, ablate)
     return _static_output(per_token, tokens, p)
 
 
 def run_recompute(model, tokens, policy, p: Plan, reference, doc, spec: StreamSpec) -> StreamOutput:
-    per_token = stream_recompute(model, tokens, p.budgets[0] + 1, reference, p.block)
+    per_token = stream_recompute(model, tokens, p.budgets[0] + 1, reference, p.block, n_sink=policy.n_sink)
     return _static_output(per_token, tokens, p)
 
 
@@ -190,14 +197,16 @@ def stream(
 
 
 @torch.no_grad()
-def _generate_recompute(model: GPT, prompt: torch.Tensor, W: int, n_new: int):
-    """Greedy continuation without a cache: a fresh forward over the last W tokens (at positions 0 ..)
-    for each new token."""
+def _generate_recompute(model: GPT, prompt: torch.Tensor, W: int, n_new: int, n_sink: int = 0):
+    """Greedy continuation without a cache: a fresh forward over the first n_sink and the last W - n_sink
+    tokens (at positions 0 ..) for each new token."""
     seq = prompt
     for _ in range(n_new):
-        lo = max(0, seq.shape[1] - W)
-        pos = torch.arange(seq.shape[1] - lo, device=seq.device)
-        logits = model.forward_with(seq[:, lo:], pos, last_only=True)
+        window = (
+            seq if seq.shape[1] <= W else torch.cat([seq[:, :n_sink], seq[:, seq.shape[1] - W + n_sink :]], 1)
+        )
+        pos = torch.arange(window.shape[1], device=seq.device)
+        logits = model.forward_with(window, pos, last_only=True)
         seq = torch.cat([seq, logits.argmax(-1, keepdim=True)], dim=1)
     return seq[:, prompt.shape[1] :]
 
@@ -225,7 +234,7 @@ def generate(
     budgets = budgets_for(model.cfg.n_layer, policy, budget, spec.allocation, tokens.shape[1] - 1)
     model.eval()
     if policy.recompute:
-        return _generate_recompute(model, prompt, budgets[0] + 1, n_new)
+        return _generate_recompute(model, prompt, budgets[0] + 1, n_new, policy.n_sink)
     doc = doc if doc is not None else torch.arange(B, device=prompt.device)
     _, _, filled = stream_loop(model, tokens, policy, budgets, spec.position_mode, None, doc, generate_from=P)
     return filled[:, P:]

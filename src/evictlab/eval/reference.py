@@ -54,6 +54,7 @@ class _ReferenceStep:
         self.reference, self.doc, self.row = reference, doc, row
         self.rope = model.cfg.pos_emb is PosEmb.rope
         self.caches = [_NaiveCache() for _ in range(model.cfg.n_layer)]
+        self.ablated = policy.ablated(model.cfg.n_layer) if policy.ablation else [False] * model.cfg.n_layer
         self.t = 0
 
     def __call__(self, l: int, a, h: torch.Tensor) -> torch.Tensor:
@@ -70,8 +71,15 @@ class _ReferenceStep:
         if self.rope and self.mode is PositionMode.cache:
             keys, qq = a.rotate(c.k, torch.arange(m)), a.rotate(q, torch.tensor([m - 1]))
         scores = qq @ keys.repeat_interleave(H // Hkv, dim=1).transpose(-1, -2) / D**0.5
+        values = c.v
+        if self.ablated[l] and t > 0:  # bos_ablation: position 0's key hidden, or its value zero
+            first = (c.pos[0, 0] == 0).view(1, 1, 1, m)
+            if self.policy.part == "key":
+                scores = scores.masked_fill(first, float("-inf"))
+            else:
+                values = values * ~first.view(1, 1, m, 1)
         w = F.softmax(scores, dim=-1)  # [1, H, 1, m]
-        y = (w @ c.v.repeat_interleave(H // Hkv, dim=1)).transpose(1, 2).reshape(1, 1, H * D)
+        y = (w @ values.repeat_interleave(H // Hkv, dim=1)).transpose(1, 2).reshape(1, 1, H * D)
         if self.policy.evicts:
             self.evict(l, c, w.view(1, Hkv, H // Hkv, m).mean(2))
         return a.out(y)
@@ -112,7 +120,7 @@ def reference_stream(
     n = tokens.shape[0] - 1
     budgets = budgets_for(model.cfg.n_layer, policy, budget, spec.allocation, n)
     if policy.recompute:
-        return _reference_recompute(model, tokens, budgets[0]), []
+        return _reference_recompute(model, tokens, budgets[0], policy.n_sink), []
     step = _ReferenceStep(model, policy, budgets, spec.position_mode, reference, doc, row)
     nll = []
     for t in range(n):
@@ -122,12 +130,15 @@ def reference_stream(
     return torch.stack(nll), [c.pos for c in step.caches if c.pos is not None]
 
 
-def _reference_recompute(model: GPT, tokens: torch.Tensor, budget: int) -> torch.Tensor:
-    """Sliding window with re-computation, one window at a time, re-encoded from position 0."""
+def _reference_recompute(model: GPT, tokens: torch.Tensor, budget: int, n_sink: int = 0) -> torch.Tensor:
+    """Sliding window with re-computation, one window at a time, re-encoded from position 0 (the first
+    n_sink tokens first, once the prefix no longer fits)."""
     nll = []
     for t in range(tokens.shape[0] - 1):
-        lo = max(0, t - budget)
-        win = tokens[None, lo : t + 1]
+        if t <= budget:
+            win = tokens[None, : t + 1]
+        else:
+            win = torch.cat([tokens[:n_sink], tokens[t - budget + n_sink : t + 1]])[None]
         pos = torch.arange(win.shape[1])
         logp = F.log_softmax(model.forward_with(win, pos)[0, -1], dim=-1)
         nll.append(-logp[tokens[t + 1]])

@@ -60,8 +60,11 @@ class _BandAttention:
     attends once at the queries' text positions, with an additive bias on the sinks' columns that turns
     their scores into those of the query at min(i, n_sink + recent) (`sink_bias`)."""
 
-    def __init__(self, caches: list[BandCache], cache_mode: bool = False):
+    def __init__(
+        self, caches: list[BandCache], cache_mode: bool = False, ablate: tuple[str, list[bool]] | None = None
+    ):
         self.caches, self.pos, self.next_start, self.cache_mode = caches, None, 0, cache_mode
+        self.ablate = ablate  # (part, per-layer flags): position 0 ablated for later queries (bos_ablation)
 
     def __call__(self, l: int, a: CausalSelfAttention, h: torch.Tensor) -> torch.Tensor:
         cache = self.caches[l]
@@ -70,12 +73,25 @@ class _BandAttention:
         qr, k = a.rotate(q, self.pos), a.rotate(smeared, self.pos)
         K, V, P = cache.extend(k, v, self.pos)
         mask = cache.visible(self.pos, P)
-        if self.cache_mode and cache.n_sink and cache.recent is not None and a.rope_base is not None:
+        if self.ablate is not None and self.ablate[1][l]:
+            y = self.ablated(a, qr, K, V, P, mask, self.ablate[0])
+        elif self.cache_mode and cache.n_sink and cache.recent is not None and a.rope_base is not None:
             y = a.attend(qr, K, V, mask=self.sink_bias(a, q, qr, K, P, mask, cache))
         else:
             y = a.attend(qr, K, V, mask=mask)
         cache.keep(K, V, P, self.next_start)
         return a.out(y)
+
+    def ablated(self, a: CausalSelfAttention, qr, K, V, P, mask, part: str) -> torch.Tensor:
+        """Attention with position 0 ablated for the queries after it: its key hidden (`key`), or its value
+        read as zero (`value`). Query 0 itself attends as in the full cache (it sees only itself)."""
+        first = (P == 0)[None, :] & (self.pos > 0)[:, None]  # [b, m]: later queries on position 0
+        if part == "key":
+            return a.attend(qr, K, V, mask=mask & ~first)
+        y = a.attend(qr, K, V.masked_fill((P == 0)[:, None], 0.0), mask=mask)
+        if self.pos[0] == 0:  # the block holding query 0: its own row reads its real value
+            y[:, :1] = a.attend(qr[:, :, :1], K, V, mask=mask[:1])
+        return y
 
     def sink_bias(self, a: CausalSelfAttention, q, qr, K, P, mask, cache: BandCache) -> torch.Tensor:
         """The additive attention bias [B, H, b, Tk] of cache mode: -inf where `mask` hides a key, and on
@@ -148,13 +164,15 @@ def stream_static(
     ref,
     block: int,
     cache_mode: bool = False,
+    ablate: tuple[str, list[bool]] | None = None,
 ):
     """Stream tokens [B, T] under per-layer static windows, `block` queries at a time -> metrics by name;
-    `cache_mode`: positions re-indexed inside the cache (see _BandAttention)."""
+    `cache_mode`: positions re-indexed inside the cache (see _BandAttention); `ablate`: bos_ablation's
+    (part, per-layer flags)."""
     inp, tgt = tokens[:, :-1], tokens[:, 1:]
     n = inp.shape[1]
     rec = Recorder(tgt, windows, ref)
-    attend = _BandAttention([BandCache(*w) for w in windows], cache_mode)
+    attend = _BandAttention([BandCache(*w) for w in windows], cache_mode, ablate)
     for s in range(0, n, block):
         e = min(n, s + block)
         attend.pos, attend.next_start = torch.arange(s, e, device=tokens.device), e
@@ -162,17 +180,25 @@ def stream_static(
     return rec.out
 
 
-def recompute_windows(inp: torch.Tensor, W: int, first: int, last: int) -> torch.Tensor:
+def recompute_windows(inp: torch.Tensor, W: int, first: int, last: int, n_sink: int = 0) -> torch.Tensor:
     """The windows of steps t = first .. last-1 (t >= W) of inp [B, n]: tokens [B * (last-first), W], step t
-    seeing tokens t-W+1 .. t."""
-    return inp[:, first - W + 1 : last].unfold(1, W, 1).reshape(-1, W)
+    seeing tokens 0 .. n_sink-1 and then t-(W-n_sink)+1 .. t."""
+    recent = W - n_sink
+    rows = inp[:, first - recent + 1 : last].unfold(1, recent, 1)  # [B, steps, recent]
+    if n_sink:
+        sinks = inp[:, None, :n_sink].expand(-1, rows.shape[1], -1)
+        rows = torch.cat([sinks, rows], dim=2)
+    return rows.reshape(-1, W)
 
 
 @torch.no_grad()
-def stream_recompute(model: GPT, tokens: torch.Tensor, W: int, ref, block: int, chunk_tokens: int = 2048):
+def stream_recompute(
+    model: GPT, tokens: torch.Tensor, W: int, ref, block: int, chunk_tokens: int = 2048, n_sink: int = 0
+):
     """Window of the last W = budget + 1 tokens, re-encoded at positions 0 .. W-1 for every prediction (the
     StreamingLLM paper's baseline, in both position modes: RoPE scores depend only on distances, and
-    learned absolute positions never run past the window).
+    learned absolute positions never run past the window). With `n_sink`, the stream's first n_sink
+    tokens head every window, followed by the last W - n_sink.
 
     While t < W the window is the whole prefix 0..t at positions 0..t, i.e. the full cache: one causal
     forward covers those steps. Every later step is a full window of W tokens; they run as batched
@@ -181,12 +207,12 @@ def stream_recompute(model: GPT, tokens: torch.Tensor, W: int, ref, block: int, 
     """
     inp, tgt = tokens[:, :-1], tokens[:, 1:]
     B, n = inp.shape
-    rec = Recorder(tgt, [(0, W - 1)] * model.cfg.n_layer, ref)
+    rec = Recorder(tgt, [(n_sink, W - 1 - n_sink)] * model.cfg.n_layer, ref)
     rec.add(0, model(inp[:, : min(W, n)]))  # steps 0 .. W-1: the window is the prefix
     rows_per_chunk = max(1, chunk_tokens // W)
     for s in range(W, n, block):
         e = min(n, s + block)
-        rows, pos = recompute_windows(inp, W, s, e), torch.arange(W, device=tokens.device)
+        rows, pos = recompute_windows(inp, W, s, e, n_sink), torch.arange(W, device=tokens.device)
         parts = []
         for r in range(0, rows.shape[0], rows_per_chunk):
             parts.append(model.forward_with(rows[r : r + rows_per_chunk], pos, last_only=True))

@@ -55,7 +55,8 @@ class Policy:
     order: ClassVar[int] = 100  # position in figures, tables and legends (smaller first)
     needs_attention: ClassVar[bool] = False  # observe() needs the attention row (no fused SDPA)
     needs_future: ClassVar[bool] = False  # uses the full-cache run's future attention (non-causal)
-    evicts: ClassVar[bool] = True  # False only for `full`
+    evicts: ClassVar[bool] = True  # False for `full` and the ablations of the full cache
+    ablation: ClassVar[bool] = False  # a full cache with an intervention (bos_ablation): not the reference
     recompute: ClassVar[bool] = False  # True only for `recompute_window` (no KV cache at all)
     # Decisions depend on positions only, so every document and head holds the same positions in the
     # same slots (lets the engine re-index positions once per layer instead of per document and head).
@@ -115,6 +116,7 @@ class Policy:
             "strategy_label": cls.label,
             "strategy_order": cls.order,
             "evicts": cls.evicts,
+            "ablation": cls.ablation,
             "non_causal": cls.needs_future,
         }
 
