@@ -83,5 +83,7 @@ def test_help_describes_evictlabs_own_groups_and_keys(tmp_path: Path):
     names = {line.split(":")[0] for line in groups.strip().splitlines()}
     assert {"model", "dataset", "strategy", "budget", "experiment", "variant"} <= names
     assert not [n for n in names if n.startswith("hydra")]  # Hydra's own groups stay in --hydra-help
+    assert "policy" not in names and "local" not in names  # the strategy files' schemas, cluster templates
+    assert "arm: bos_key, bos_value, none" in groups and "strategy: bos_ablation, full, h2o" in groups
     assert "strategy:" in out.split("== Keys and their defaults")[1]
     assert not (tmp_path / "outputs").exists()

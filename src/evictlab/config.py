@@ -365,7 +365,15 @@ def register_configs() -> None:
         store.store(group="policy", name=name, node={"name": name, "params": to_jsonable(cls().params())})
 
 
+def help_groups() -> str:
+    """`--help`'s config groups with their options: the folders of conf/ a user chooses from (not hydra/,
+    not local/'s cluster templates, and not the `policy` schemas that conf/strategy/ files extend)."""
+    folders = sorted(p for p in CONF_DIR.iterdir() if p.is_dir() and p.name not in ("hydra", "local"))
+    return "\n".join(f"{d.name}: {', '.join(sorted(f.stem for f in d.glob('*.yaml')))}" for d in folders)
+
+
 register_configs()
+OmegaConf.register_new_resolver("evictlab_groups", help_groups, replace=True)  # conf/hydra/help/
 
 
 def compose(overrides: list[str] | None = None, config_name: str = "config") -> DictConfig:
