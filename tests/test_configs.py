@@ -147,6 +147,19 @@ def test_a_default_written_out_or_left_to_the_class_gives_one_run_key():
     assert run_key(a) == run_key(b)
 
 
+def test_a_parameter_added_later_keeps_the_run_keys_made_before_it():
+    """streaming_llm.first_sink and recompute_window.n_sink came with issue 27: at their defaults they are in
+    no run key (finished runs stay done, snapshots keep their keys); set, they are."""
+    from evictlab.config import StrategyConfig
+
+    assert StrategyConfig("streaming_llm").keyed() == {"name": "streaming_llm", "params": {"n_sink": 4}}
+    assert StrategyConfig("recompute_window").keyed() == {"name": "recompute_window", "params": {}}
+    text = StrategyConfig("streaming_llm", {"n_sink": 1, "first_sink": 1}).keyed()["params"]
+    assert text == {"n_sink": 1, "first_sink": 1}
+    assert StrategyConfig("recompute_window", {"n_sink": 1}).keyed()["params"] == {"n_sink": 1}
+    assert StrategyConfig("h2o").keyed()["params"] == {"recent_fraction": 0.5}  # defaults keyed as before
+
+
 @pytest.mark.parametrize("group", sorted(GROUP_SCHEMAS))
 def test_group_yamls_restate_no_schema_default(group: str):
     defaults = {f.name: f.default for f in dataclasses.fields(GROUP_SCHEMAS[group])}

@@ -154,8 +154,9 @@ class StrategyConfig:
 
     def keyed(self) -> dict[str, Any]:
         """What a run key hashes: the policy's name and every parameter, defaults included (so a default
-        written in a YAML or left to the dataclass gives the same key)."""
-        return {"name": self.name, "params": self.build().params()}
+        written in a YAML or left to the dataclass gives the same key), but for parameters added after
+        runs were keyed, which count only away from their default (`Policy.key_params`)."""
+        return {"name": self.name, "params": self.build().key_params()}
 
 
 @dataclass

@@ -24,6 +24,9 @@ from evictlab.errors import ConfigError
 
 INF = float("inf")
 SCALARS = {"bool": bool, "int": int, "float": float}
+# field metadata of a parameter added after runs were keyed: at its default it is left out of the run key,
+# so the runs made before it keep theirs (`Policy.key_params`)
+ADDED_LATER = {"keyed_at_default": False}
 
 
 @dataclass
@@ -107,6 +110,15 @@ class Policy:
 
     def params(self) -> dict:
         return asdict(self)
+
+    def key_params(self) -> dict:
+        """The parameters a run key hashes: every one, defaults included, except a parameter added later
+        (`ADDED_LATER`) while it is at its default."""
+        return {
+            f.name: getattr(self, f.name)
+            for f in dataclasses.fields(self)
+            if f.metadata.get("keyed_at_default", True) or getattr(self, f.name) != f.default
+        }
 
     @classmethod
     def facts(cls) -> dict:

@@ -1,8 +1,8 @@
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar
 
 from evictlab.cache.policies import register
-from evictlab.cache.policies.base import Policy, StepContext
+from evictlab.cache.policies.base import ADDED_LATER, Policy, StepContext
 from evictlab.errors import ConfigError
 
 
@@ -24,7 +24,7 @@ class RecomputeWindow(Policy):
     label: ClassVar[str] = "window+recompute"
     order: ClassVar[int] = 3
     recompute: ClassVar[bool] = True
-    n_sink: int = 0
+    n_sink: int = field(default=0, metadata=ADDED_LATER)  # issue 27: in run keys only when set
 
     def check_params(self) -> None:
         if self.n_sink < 0:

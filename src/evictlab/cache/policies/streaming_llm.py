@@ -1,10 +1,10 @@
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar
 
 import torch
 
 from evictlab.cache.policies import register
-from evictlab.cache.policies.base import INF, Policy, StepContext, protect
+from evictlab.cache.policies.base import ADDED_LATER, INF, Policy, StepContext, protect
 from evictlab.errors import ConfigError
 
 
@@ -24,7 +24,7 @@ class StreamingLLM(Policy):
     order: ClassVar[int] = 2
     position_only: ClassVar[bool] = True
     n_sink: int = 4
-    first_sink: int = 0
+    first_sink: int = field(default=0, metadata=ADDED_LATER)  # issue 27: in run keys only when set
 
     def check_params(self) -> None:
         if self.n_sink < 0:
