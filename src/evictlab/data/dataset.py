@@ -77,25 +77,23 @@ class Splits(Mapping):
         return len(self._docs)
 
     def _load_or_encode(self, split: str) -> TokenSplit:
-        path = self.path(split)
+        path, sp = self.path(split), None
         if path.exists():
             try:
                 sp = _load(path)
-                _check_sizes(self.name, {split: sp.n_tokens + sp.n_docs}, self.min_tokens)
-                return sp
-            except DataError:
-                raise
             except Exception as e:  # noqa: BLE001 - a damaged cache file is rebuilt, never trusted
                 log.warning("token cache %s is unreadable (%s); rebuilding it", path, e)
-        docs = self._docs[split]
-        encoded = self._tokenizer.encode_batch([d.text for d in docs])
-        lengths = np.array([len(e) for e in encoded], dtype=np.int64)
-        ids = np.concatenate(encoded) if encoded else np.zeros(0, dtype=np.int64)
-        sp = TokenSplit(
-            ids, np.concatenate(([0], np.cumsum(lengths))), [d.id for d in docs], self._n_bytes[split]
-        )
-        _check_sizes(self.name, {split: sp.n_tokens + sp.n_docs}, self.min_tokens)  # before it is written
-        _save(path, sp)
+        cached = sp is not None
+        if not cached:
+            docs = self._docs[split]
+            encoded = self._tokenizer.encode_batch([d.text for d in docs])
+            lengths = np.array([len(e) for e in encoded], dtype=np.int64)
+            ids = np.concatenate(encoded) if encoded else np.zeros(0, dtype=np.int64)
+            offsets = np.concatenate(([0], np.cumsum(lengths)))
+            sp = TokenSplit(ids, offsets, [d.id for d in docs], self._n_bytes[split])
+        _check_sizes(self.name, {split: sp.n_tokens + sp.n_docs}, self.min_tokens)  # before saving a new one
+        if not cached:
+            _save(path, sp)
         return sp
 
 
