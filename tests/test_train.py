@@ -273,6 +273,93 @@ def test_recall_share_mixes_pass_key_documents_into_training(session_outputs: Pa
         make_cfg(session_outputs, "train.recall_share=1.0")
 
 
+def _same_weights(a, b) -> None:
+    for (name, pa), pb in zip(a.state_dict().items(), b.state_dict().values(), strict=True):
+        assert torch.equal(pa, pb), name
+
+
+def test_a_killed_training_continues_from_its_saved_progress_bit_identically(
+    outputs: Path, monkeypatch, caplog
+):
+    import evictlab.train as train_mod
+
+    cfg = make_cfg(outputs, "train.steps=15", "train.warmup_steps=3", "train.save_every_s=0")
+    corpus = load_corpus(cfg.dataset, cfg.tokenizer, cfg.outputs)
+    whole = get_checkpoint(make_cfg(outputs / "whole", "train.steps=15", "train.warmup_steps=3"), corpus)
+
+    real_lr_at = train_mod.lr_at
+
+    def killed_at_step_10(step, tc):  # a process killed (SIGKILL, a lost node) in the middle of step 10
+        if step == 9:
+            raise RuntimeError("killed")
+        return real_lr_at(step, tc)
+
+    monkeypatch.setattr(train_mod, "lr_at", killed_at_step_10)
+    with pytest.raises(RuntimeError, match="killed"):
+        get_checkpoint(cfg, corpus)
+    monkeypatch.undo()
+    (saved,) = (outputs / "checkpoints" / ".progress").iterdir()
+    assert not [p for p in (outputs / "checkpoints").iterdir() if not p.name.startswith(".")]
+
+    with caplog.at_level("INFO", logger="evictlab.train"):
+        resumed = get_checkpoint(cfg, corpus)
+    assert "resuming training from step 9" in caplog.text
+    _same_weights(whole.model, resumed.model)
+    assert resumed.meta["weights_sha256"] == whole.meta["weights_sha256"]
+    assert resumed.path.name == whole.path.name  # one key
+    assert resumed.meta["history"] == whole.meta["history"]  # steps 1..15 once each, with the same losses
+    assert not saved.exists()  # the checkpoint is written: the progress file is gone
+
+
+def test_ctrl_c_stops_a_training_at_the_end_of_a_step_and_the_same_command_continues_it(
+    outputs: Path, monkeypatch, caplog
+):
+    import os
+    import signal
+    import threading
+
+    import evictlab.train as train_mod
+    from evictlab.errors import TrainingInterrupted
+
+    if threading.current_thread() is not threading.main_thread():
+        pytest.skip("signal handlers are installed from the main thread only")
+    args = ("train.steps=12", "train.warmup_steps=3")
+    cfg = make_cfg(outputs, *args)  # saves every 60 s: only the stop request saves here
+    corpus = load_corpus(cfg.dataset, cfg.tokenizer, cfg.outputs)
+    whole = get_checkpoint(make_cfg(outputs / "whole", *args), corpus)
+    real_lr_at = train_mod.lr_at
+
+    def ctrl_c_during_step_5(step, tc):
+        if step == 4:
+            os.kill(os.getpid(), signal.SIGINT)
+        return real_lr_at(step, tc)
+
+    monkeypatch.setattr(train_mod, "lr_at", ctrl_c_during_step_5)
+    before = signal.getsignal(signal.SIGINT)
+    with pytest.raises(TrainingInterrupted, match="interrupted after step 5 of 12; its progress is saved in"):
+        get_checkpoint(cfg, corpus)
+    assert signal.getsignal(signal.SIGINT) is before  # the caller's handler is back
+    monkeypatch.undo()
+    with caplog.at_level("INFO", logger="evictlab.train"):
+        resumed = get_checkpoint(cfg, corpus)
+    assert "resuming training from step 5" in caplog.text
+    _same_weights(whole.model, resumed.model)
+    assert [r["step"] for r in resumed.meta["history"]] == list(range(1, 13))
+
+
+def test_unusable_saved_progress_is_ignored_with_a_warning(outputs: Path, caplog):
+    cfg = make_cfg(outputs, "train.steps=6", "train.warmup_steps=2")
+    whole = get_checkpoint(make_cfg(outputs / "whole", "train.steps=6", "train.warmup_steps=2"))
+    dest = outputs / "checkpoints" / ".progress" / f"{whole.path.name}.pt"
+    dest.parent.mkdir(parents=True)
+    dest.write_bytes(b"not a torch file")
+    with caplog.at_level("WARNING"):
+        again = get_checkpoint(cfg)
+    assert "is unusable" in caplog.text and "training from step 0" in caplog.text
+    _same_weights(whole.model, again.model)
+    assert not dest.exists()
+
+
 def test_a_full_disk_gives_one_clear_error_and_leaves_nothing_half_written(outputs: Path, monkeypatch):
     import errno
 

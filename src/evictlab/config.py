@@ -27,7 +27,7 @@ from evictlab.cache.policies import POLICIES, Policy, full_cache, make_policy
 from evictlab.data.corpora import DatasetConfig
 from evictlab.data.streams import StreamSource
 from evictlab.data.tokenizers import TokenizerConfig
-from evictlab.errors import ConfigError
+from evictlab.errors import ConfigError, TrainingInterrupted
 from evictlab.eval.spec import PositionMode, StreamSpec, check_positions, check_reference_cap
 from evictlab.logger import LoggerConfig
 from evictlab.models.gguf import is_gguf
@@ -91,6 +91,8 @@ class TrainConfig:
     threads: int = 2
     device: str = field(default="cpu", metadata=KEYLESS)
     progress: bool = field(default=True, metadata=KEYLESS)  # tqdm bar
+    # seconds between saves of a training's progress (a killed training continues from the last one)
+    save_every_s: float = field(default=60.0, metadata=KEYLESS)
     recall_share: float = 0.0  # share of training samples replaced by pass-key documents (data/recall.py)
     # times each training pass-key document asks for (and answers) its key
     recall_queries: int = field(default=1, metadata=neutral(1))
@@ -123,7 +125,7 @@ class TrainConfig:
             raise ConfigError(f"train.synthetic_warmup={self.synthetic_warmup} must be in [0, train.steps]")
         if not 0 <= self.warmup_steps <= self.steps:
             raise ConfigError(f"train.warmup_steps={self.warmup_steps} must be in [0, train.steps]")
-        for key in ("weight_decay", "grad_clip"):
+        for key in ("weight_decay", "grad_clip", "save_every_s"):
             if not getattr(self, key) >= 0:
                 raise ConfigError(f"train.{key}={getattr(self, key)} must be >= 0")
         for key in ("beta1", "beta2"):
@@ -469,6 +471,9 @@ def hydra_entry(job: Callable[[Config], str]) -> None:
             line = job(cfg)
         except ConfigError as e:  # data-dependent checks (e.g. streams longer than the documents)
             _fail(e)
+        except TrainingInterrupted as e:  # Ctrl-C in a training: progress saved; stops a sweep too
+            print(f"stopped: {e}", file=sys.stderr)
+            sys.exit(130)
         print(line)
 
     _main()

@@ -14,6 +14,11 @@ class DivergedError(ConfigError):
     and nothing is cached or reported as ok."""
 
 
+class TrainingInterrupted(KeyboardInterrupt):
+    """Ctrl-C stopped a training at the end of a step, after saving its progress (train.py's Progress): the
+    command-line entry points print its one line and exit 130; the same command continues the training."""
+
+
 class DiskFullError(ConfigError):
     """No space left while writing a result, cache or checkpoint file: nothing half-written was kept (files
     are written to a temp name and renamed), so the run can simply be repeated once space is freed."""

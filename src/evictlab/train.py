@@ -3,19 +3,25 @@
     python -m evictlab.train model=gpt_small dataset=pydoc_topics
 
 Reads top to bottom: the n-gram baselines, the training loop (learning-rate schedule, optimizer, the
-steps), the training record, then `get_checkpoint`, which trains once per key and hands the model and its
-meta (training record and sink metrics) to the checkpoint store (checkpoints.py). Training windows come
-from data/sampler.py.
+steps), resumable progress (a killed or interrupted training continues where it stopped, bit-identically),
+the training record, then `get_checkpoint`, which trains once per key and hands the model and its meta
+(training record and sink metrics) to the checkpoint store (checkpoints.py). Training windows come from
+data/sampler.py.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import math
+import signal
 import sys
+import threading
 import time
-from collections.abc import Callable
-from dataclasses import replace
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -33,12 +39,12 @@ from evictlab.checkpoints import (
 from evictlab.config import Config, TrainConfig, hydra_entry
 from evictlab.data.dataset import Corpus, TokenSplit, load_corpus
 from evictlab.data.sampler import WindowSampler
-from evictlab.errors import DivergedError
+from evictlab.errors import DivergedError, TrainingInterrupted
 from evictlab.eval.sinks import sink_metrics
 from evictlab.models.gguf import is_gguf
 from evictlab.models.gpt import GPT
 from evictlab.perf import build_info, matmul_flops_per_s, pinned_threads
-from evictlab.store import git_info, package_versions, to_jsonable
+from evictlab.store import atomic_path, git_info, package_versions, to_jsonable
 
 log = logging.getLogger(__name__)
 
@@ -117,47 +123,161 @@ def optimize(
     val_batches,
     name: str,
     after_step: Callable[[int], None] | None = None,
-) -> list[dict]:
+    progress: Progress | None = None,
+) -> tuple[list[dict], float]:
     """The training loop: AdamW with the lr schedule, gradient clipping and a validation loss every
-    eval_interval steps; returns the history (one row per step). `after_step(steps done)`, if given, runs
-    after each step (benchmarks/recipe_probe.py measures the model there)."""
+    eval_interval steps; returns the history (one row per step) and the seconds spent training (over every
+    resumed part). With `progress`, it starts from the saved state if there is one, saves the state every
+    `train.save_every_s` seconds, and on Ctrl-C saves it at the end of the step and raises
+    TrainingInterrupted. `after_step(steps done)`, if given, runs after each step (benchmarks/recipe_probe.py
+    measures the model there)."""
     device = next(model.parameters()).device
     opt = make_optimizer(model, tc)
     history: list[dict[str, float]] = []
-    bar = tqdm(range(tc.steps), desc=f"train {name}", disable=not tc.progress, unit="step", file=sys.stderr)
-    start = time.perf_counter()
+    done, spent = 0, 0.0
+    if progress is not None and (state := progress.load()) is not None:
+        done, history, spent = state.restore(model, opt, sampler)
+    bar = tqdm(
+        range(done, tc.steps),
+        desc=f"train {name}",
+        disable=not tc.progress,
+        unit="step",
+        file=sys.stderr,
+        initial=done,
+        total=tc.steps,
+    )
+    start, resumed = time.perf_counter() - spent, time.perf_counter()
     model.train()
-    for step in bar:
-        lr = lr_at(step, tc)
-        for group in opt.param_groups:
-            group["lr"] = lr
-        x, y = (t.to(device) for t in sampler.batch(tc.batch_size))
-        _, loss = model(x, y)
-        value = float(loss.detach())
-        if not math.isfinite(value):
-            raise DivergedError(
-                f"training diverged: loss {value} at step {step + 1} (lr {lr:.3g}); nothing was "
-                "cached. Lower train.lr or check the model settings"
-            )
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        if tc.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), tc.grad_clip)
-        opt.step()
-        row: dict[str, float] = {"step": step + 1, "lr": lr, "train_loss": value}
-        if (step + 1) % tc.eval_interval == 0 or step + 1 == tc.steps:
-            row["val_loss"] = mean_loss(model, val_batches)
-        history.append(row)
-        if step % 10 == 0 or "val_loss" in row:
-            tok_s = (step + 1) * tc.batch_size * tc.seq_len / (time.perf_counter() - start)
-            post = {"loss": f"{row['train_loss']:.3f}", "tok/s": f"{tok_s:,.0f}"}
-            if "val_loss" in row:
-                post["val"] = f"{row['val_loss']:.3f}"
-            bar.set_postfix(post, refresh=False)
-        if after_step is not None:
-            after_step(step + 1)
+    with stop_requests() as stop:
+        for step in bar:
+            lr = lr_at(step, tc)
+            for group in opt.param_groups:
+                group["lr"] = lr
+            x, y = (t.to(device) for t in sampler.batch(tc.batch_size))
+            _, loss = model(x, y)
+            value = float(loss.detach())
+            if not math.isfinite(value):
+                raise DivergedError(
+                    f"training diverged: loss {value} at step {step + 1} (lr {lr:.3g}); nothing was "
+                    "cached. Lower train.lr or check the model settings"
+                )
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            if tc.grad_clip > 0:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), tc.grad_clip)
+            opt.step()
+            row: dict[str, float] = {"step": step + 1, "lr": lr, "train_loss": value}
+            if (step + 1) % tc.eval_interval == 0 or step + 1 == tc.steps:
+                row["val_loss"] = mean_loss(model, val_batches)
+            history.append(row)
+            if step % 10 == 0 or "val_loss" in row:
+                tok_s = (step + 1 - done) * tc.batch_size * tc.seq_len / (time.perf_counter() - resumed)
+                post = {"loss": f"{row['train_loss']:.3f}", "tok/s": f"{tok_s:,.0f}"}
+                if "val_loss" in row:
+                    post["val"] = f"{row['val_loss']:.3f}"
+                bar.set_postfix(post, refresh=False)
+            if after_step is not None:
+                after_step(step + 1)
+            if progress is not None and step + 1 < tc.steps:
+                due = time.perf_counter() - progress.last_save >= tc.save_every_s
+                if due or stop.is_set():
+                    progress.save(TrainState.capture(model, opt, sampler, history, start))
+                if stop.is_set():
+                    bar.close()
+                    raise TrainingInterrupted(
+                        f"training interrupted after step {step + 1} of {tc.steps}; its progress is saved in "
+                        f"{progress.path}: run the same command to continue"
+                    )
     model.eval()
-    return history
+    return history, time.perf_counter() - start
+
+
+# ------------------------------------------------------------------------------ resumable progress
+
+
+@dataclass
+class TrainState:
+    """Everything a training needs to continue bit-identically: the weights, AdamW's moments and step
+    counts, the sampler's generator and batch count (the curriculum), the history and the time spent.
+    (The model has no dropout, so torch's generator is not part of it.)"""
+
+    model: dict[str, torch.Tensor]
+    optimizer: dict[str, Any]
+    info: dict[str, Any] = field(default_factory=dict)  # steps, sampler, history, seconds (JSON)
+
+    @classmethod
+    def capture(
+        cls, model: GPT, opt, sampler: WindowSampler, history: list[dict], start: float
+    ) -> TrainState:
+        info = {
+            "steps": len(history),
+            "sampler": {"rng": sampler.rng.bit_generator.state, "batches": sampler.batches},
+            "history": history,
+            "seconds": time.perf_counter() - start,
+        }
+        return cls(model.state_dict(), opt.state_dict(), info)
+
+    def restore(self, model: GPT, opt, sampler: WindowSampler) -> tuple[int, list[dict], float]:
+        model.load_state_dict(self.model)
+        opt.load_state_dict(self.optimizer)
+        sampler.rng.bit_generator.state = self.info["sampler"]["rng"]
+        sampler.batches = self.info["sampler"]["batches"]
+        return self.info["steps"], list(self.info["history"]), self.info["seconds"]
+
+
+class Progress:
+    """A training's saved progress, `<checkpoints>/.progress/<name>-<key>.pt`: written atomically every
+    train.save_every_s seconds (and when Ctrl-C stops it), read back by the next training under the same key,
+    removed once the checkpoint is written. Only the process that holds the checkpoint's lock touches it."""
+
+    def __init__(self, path: Path, key: str):
+        self.path, self.key, self.last_save = path, key, time.perf_counter()
+
+    def load(self) -> TrainState | None:
+        if not self.path.exists():
+            return None
+        try:
+            raw = torch.load(self.path, map_location="cpu", weights_only=True)
+            info = json.loads(raw["info"])
+            if info.get("key") != self.key:
+                raise ValueError(f"it belongs to key {info.get('key')!r}")
+            state = TrainState(raw["model"], raw["optimizer"], info)
+        except Exception as e:  # noqa: BLE001 - any unreadable file: start again, and say so
+            log.warning("saved training progress %s is unusable (%s); training from step 0", self.path, e)
+            return None
+        log.info("resuming training from step %d (saved progress %s)", info["steps"], self.path)
+        return state
+
+    def save(self, state: TrainState) -> None:
+        info = json.dumps(to_jsonable(state.info | {"key": self.key}))
+        with atomic_path(self.path) as tmp:
+            torch.save({"model": state.model, "optimizer": state.optimizer, "info": info}, tmp)
+        self.last_save = time.perf_counter()
+
+    def discard(self) -> None:
+        self.path.unlink(missing_ok=True)
+
+
+@contextmanager
+def stop_requests() -> Iterator[threading.Event]:
+    """While training in the main thread, Ctrl-C sets the yielded event instead of raising mid-step (the
+    loop saves its progress at the end of the step, then stops); a second Ctrl-C interrupts at once."""
+    stop = threading.Event()
+    if threading.current_thread() is not threading.main_thread():
+        yield stop
+        return
+    previous = signal.getsignal(signal.SIGINT)
+
+    def request(signum, frame) -> None:
+        stop.set()
+        signal.signal(signal.SIGINT, previous)
+        print("\nstopping after this training step (Ctrl-C again to stop now)", file=sys.stderr)
+
+    signal.signal(signal.SIGINT, request)
+    try:
+        yield stop
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def training_record(model: GPT, corpus: Corpus, tc: TrainConfig, losses: tuple[float, float], wall: float):
@@ -187,14 +307,14 @@ def training_record(model: GPT, corpus: Corpus, tc: TrainConfig, losses: tuple[f
     }
 
 
-def train_model(cfg: Config, corpus: Corpus) -> tuple[GPT, dict[str, Any]]:
-    """Train from scratch with the config's seed at exactly train.threads threads (restored after); returns
-    the model and its training record."""
+def train_model(cfg: Config, corpus: Corpus, progress: Progress | None = None) -> tuple[GPT, dict[str, Any]]:
+    """Train with the config's seed at exactly train.threads threads (restored after), from scratch or from
+    `progress`'s saved state; returns the model and its training record."""
     with pinned_threads(cfg.train.threads):
-        return _train_model(cfg, corpus)
+        return _train_model(cfg, corpus, progress)
 
 
-def _train_model(cfg: Config, corpus: Corpus) -> tuple[GPT, dict[str, Any]]:
+def _train_model(cfg: Config, corpus: Corpus, progress: Progress | None) -> tuple[GPT, dict[str, Any]]:
     tc, mc = cfg.train, cfg.model
     device = torch.device(tc.device)
     torch.manual_seed(tc.seed)
@@ -206,9 +326,7 @@ def _train_model(cfg: Config, corpus: Corpus) -> tuple[GPT, dict[str, Any]]:
         corpus.splits["train"], corpus, tc.seq_len, mc.sink_token, seed=20_000 + tc.seed
     )
     val_batches, train_batches = fixed_batches(val_s, tc, device), fixed_batches(fixed_train, tc, device)
-    start = time.perf_counter()
-    history = optimize(model, tc, train_s, val_batches, mc.name)
-    wall = time.perf_counter() - start
+    history, wall = optimize(model, tc, train_s, val_batches, mc.name, progress=progress)
     losses = mean_loss(model, train_batches), mean_loss(model, val_batches)
     record = training_record(model, corpus, tc, losses, wall) | {"build": build_info(), "history": history}
     return model, record
@@ -229,10 +347,12 @@ def get_checkpoint(cfg: Config, corpus: Corpus | None = None) -> Checkpoint:
         cfg, model=replace(cfg.model, vocab_size=corpus.tokenizer.vocab_size)
     )  # caller's cfg untouched
     key = checkpoint_key(cfg, corpus)
+    dest = cfg.outputs / "checkpoints" / f"{cfg.model.name}-{key}"
+    progress = Progress(dest.parent / ".progress" / f"{dest.name}.pt", key)
 
     def build() -> tuple[GPT, dict[str, Any]]:
         log.info("training %s (checkpoint key %s)", cfg.model.name, key)
-        model, record = train_model(cfg, corpus)
+        model, record = train_model(cfg, corpus, progress)
         sink, layers = sink_metrics(model, corpus, cfg.train.seq_len, cfg.model.sink_token)
         last = layers[layers["metric"] == "last_query_first_mass"].sort_values("layer")["value"]
         record |= sink | {"last_query_first_mass": last.tolist()}
@@ -252,9 +372,10 @@ def get_checkpoint(cfg: Config, corpus: Corpus | None = None) -> Checkpoint:
         }
         return model, meta
 
-    return cached_checkpoint(
-        cfg.outputs / "checkpoints" / f"{cfg.model.name}-{key}", lambda m: check_settings(m, cfg, key), build
-    )
+    ck = cached_checkpoint(dest, lambda m: check_settings(m, cfg, key), build)
+    if not ck.cached:
+        progress.discard()
+    return ck
 
 
 def summary(ck: Checkpoint, seconds: float) -> str:
