@@ -76,6 +76,7 @@ def test_value_zeroed_keeps_the_attention_bos_draws(setup):
     layer 0's attention output is the full cache's minus (weight on BOS) x BOS's value, computed here with
     an explicit softmax; query 0 reads its own value."""
     from evictlab.eval.static import _BandAttention
+    from evictlab.models.rope import Rope
 
     model, tokens, _ = setup
     a, n = model.blocks[0].attn, T - 1
@@ -88,7 +89,7 @@ def test_value_zeroed_keeps_the_attention_bos_draws(setup):
     w = torch.softmax((qr @ kh.transpose(-1, -2) * a.head_dim**-0.5).masked_fill(~causal, float("-inf")), -1)
     want = w @ vh
     want[:, :, 1:] -= w[:, :, 1:, :1] * vh[:, :, :1]
-    attend = _BandAttention([], ablate=("value", [True]))
+    attend = _BandAttention([], Rope(model.cfg, torch.empty(0)), ablate=("value", [True]))
     attend.pos = pos
     got = attend.ablated(a, qr, kr, v, pos, causal, "value")  # [B, n, C]
     B = tokens.shape[0]

@@ -14,9 +14,9 @@ from evictlab.data import load_corpus
 from evictlab.data.streams import eval_streams
 from evictlab.errors import ConfigError
 from evictlab.eval import StreamSpec, full_reference, stream
+from evictlab.eval.caches import BandCache
 from evictlab.eval.engine import BLOCK_STEPS, plan
 from evictlab.eval.evaluate import evaluate, kv_bytes
-from evictlab.eval.static import BandCache
 from evictlab.models.gpt import GPT, GPTConfig
 from tests.conftest import make_cfg
 
@@ -216,22 +216,22 @@ def test_steady_state_starts_once_every_cache_is_full(model):
 
 
 def test_tracked_ranks_equal_sorting_the_positions():
-    """Cache mode re-indexes each document's and head's held keys by rank: the ranks a LayerCache updates on
+    """Cache mode re-indexes each document's and head's held keys by rank: the ranks a SlotCache updates on
     every write and eviction equal `ranks(pos)` on the held slots, through random evictions."""
-    from evictlab.eval.loop import LayerCache, ranks
+    from evictlab.eval.caches import SlotCache, ranks
 
     gen = torch.Generator().manual_seed(0)
     B, Hkv, S = 3, 2, 6
-    cache = LayerCache(B, Hkv, S, 4, torch.empty(0), {})
+    cache = SlotCache(B, Hkv, S, 4, torch.empty(0), {})
     cache.track_ranks()
     for t in range(40):
-        cache.write(torch.randn(B, Hkv, 1, 4), torch.randn(B, Hkv, 1, 4), t, {})
+        cache.update(torch.randn(B, Hkv, 1, 4), torch.randn(B, Hkv, 1, 4), t, {})
         held = cache.pos[:, :, : cache.used] >= 0
         assert torch.equal(cache.rank[:, :, : cache.used][held], ranks(cache.pos[:, :, : cache.used])[held])
         if cache.count == S:  # evict a random held slot of each document and head
             cache.evict(torch.randint(0, S, (B, Hkv), generator=gen))
         else:
-            cache.advance()
+            cache.evict(None)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
@@ -239,12 +239,11 @@ def test_tracked_ranks_equal_sorting_the_positions():
 def test_pair_order_rotation_equals_rotate_half(dtype, rotary_dim):
     """Cache mode holds keys in pair order and rotates them by rank with one complex multiply: the same
     values as `rotate` in rotate-half order (partial rotary and half types included), permuted."""
-    from evictlab.eval.loop import RopeTable
-    from evictlab.models.gpt import rotate
+    from evictlab.models.rope import Rope, rotate
 
     cfg = GPTConfig(name="t", vocab_size=40, n_layer=1, n_head=2, n_embd=32, rotary_dim=rotary_dim)
     like = torch.empty(0, dtype=dtype)
-    table = RopeTable(cfg, like, slots=7)
+    table = Rope(cfg, like, slots=7)
     x = torch.randn(2, 2, 7, cfg.head_dim).to(dtype)
     r = torch.stack([torch.randperm(7) for _ in range(4)]).view(2, 2, 7)
     want = table.to_pairs(rotate(x, *table.ranks(r)))

@@ -43,11 +43,11 @@ class BlockedLoop:
         cache.last_raw.copy_(raw_last)
         init = loop.policy.entry_state(k) if cache.state else {}
         if loop.rotate_on_write:
-            q, k = a.rotate(q, pos), a.rotate(k, pos)
+            q, k = loop.rope(q, pos), loop.rope(k, pos)
         ys = []
         for i, t in enumerate(pos.tolist()):
-            loop.t, one = t, slice(i, i + 1)
-            ys.append(loop.step(l, q[:, :, one], k[:, :, one], v[:, :, one], _rows(init, one)))
+            one = slice(i, i + 1)
+            ys.append(loop.step(l, t, q[:, :, one], k[:, :, one], v[:, :, one], _rows(init, one)))
         return a.out(torch.cat(ys, 1))
 
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -187,13 +187,13 @@ def stream(
     model.eval()
     start = time.perf_counter()
     out = RUNNERS[p.path](model, tokens, policy, p, reference, doc, spec)
-    out.block = p.block
-    out.seconds = time.perf_counter() - start
+    seconds = time.perf_counter() - start
+    sink_mass = None
     if reference is not None and reference.attention is not None:  # NaN past the steps the reference covers
         sink = reference.attention.sink
-        out.sink_mass = sink.new_full((B, T - 1, sink.shape[-1]), float("nan"))
-        out.sink_mass[:, : sink.shape[1]] = sink
-    return out
+        sink_mass = sink.new_full((B, T - 1, sink.shape[-1]), float("nan"))
+        sink_mass[:, : sink.shape[1]] = sink
+    return replace(out, block=p.block, seconds=seconds, sink_mass=sink_mass)
 
 
 @torch.no_grad()

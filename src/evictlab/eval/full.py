@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from evictlab.models.gpt import GPT, CausalSelfAttention
+from evictlab.models.rope import Rope
 
 N_SINK_DIAG = 4  # "sink" positions for the attention-mass diagnostic
 ROW_BYTES = 256 << 20  # attention rows a reference computes (and keeps) at once, summed over its layers
@@ -186,13 +187,13 @@ class _ChunkedExplicit:
     a time, so no layer ever holds [B, H, n, n]: each chunk's weights give its output and are reduced at
     once to the summaries FullAttention keeps (with `rows`, the rotated queries and keys are kept too)."""
 
-    def __init__(self, pos: torch.Tensor, L: int, rows: bool):
-        self.pos, self.keep_rows, self.L = pos, rows, L
+    def __init__(self, pos: torch.Tensor, L: int, rows: bool, rope: Rope):
+        self.pos, self.keep_rows, self.L, self.rope = pos, rows, L, rope
         self.first, self.sink, self.by_key, self.lse, self.q, self.k = [], [], [], [], [], []
 
     def __call__(self, l: int, a: CausalSelfAttention, h: torch.Tensor) -> torch.Tensor:
         q, k, v = a.project(h)
-        q, k = a.rotate(q, self.pos), a.rotate(a.smear(k), self.pos)
+        q, k = self.rope(q, self.pos), self.rope(a.smear(k), self.pos)
         B, H, n, D = q.shape
         Hkv = k.shape[1]
         first, sink, by_key, lse = (
@@ -225,6 +226,10 @@ class _ChunkedExplicit:
         return FullAttention(first, sink, by_key, torch.stack(self.lse), *rows)
 
 
+def _rope(model: GPT, tokens: torch.Tensor) -> Rope:
+    return Rope(model.cfg, torch.empty(0, dtype=model.wte.weight.dtype, device=tokens.device))
+
+
 @torch.no_grad()
 def full_reference(
     model: GPT, tokens: torch.Tensor, attention: bool = True, rows: bool = True
@@ -233,7 +238,7 @@ def full_reference(
     the summaries, and with `rows` the queries and keys its rows are recomputed from)."""
     inp = tokens[:, :-1]
     pos = torch.arange(inp.shape[1], device=tokens.device)
-    attend = _ChunkedExplicit(pos, model.cfg.n_layer, rows and attention)
+    attend = _ChunkedExplicit(pos, model.cfg.n_layer, rows and attention, _rope(model, tokens))
     logp = F.log_softmax(model.forward_with(inp, pos, attend), dim=-1)
     return FullReference(logp=logp, attention=attend.attention() if attention else None)
 
@@ -243,6 +248,6 @@ def attention_summary(model: GPT, tokens: torch.Tensor) -> FullAttention:
     """The full cache's attention summaries over tokens [B, n] (no rows, and the head only at the last
     position: no [B, n, vocab] logits), for metrics of the model itself (eval/sinks.py)."""
     pos = torch.arange(tokens.shape[1], device=tokens.device)
-    attend = _ChunkedExplicit(pos, model.cfg.n_layer, rows=False)
+    attend = _ChunkedExplicit(pos, model.cfg.n_layer, rows=False, rope=_rope(model, tokens))
     model.forward_with(tokens, pos, attend, last_only=True)
     return attend.attention()

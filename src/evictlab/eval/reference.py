@@ -25,7 +25,7 @@ class _NaiveCache:
         self.last_raw = None  # the previous token's raw key (for smeared keys)
         self.state: dict[str, torch.Tensor] = {}
 
-    def append(self, k, v, t: int, fresh: dict[str, torch.Tensor]) -> None:
+    def update(self, k, v, t: int, fresh: dict[str, torch.Tensor]) -> None:
         p = torch.full((1, k.shape[1], 1), t)
         if self.k is None:
             self.k, self.v, self.pos, self.state = k, v, p, fresh
@@ -34,7 +34,7 @@ class _NaiveCache:
         self.pos = torch.cat([self.pos, p], dim=2)
         self.state = {name: torch.cat([self.state[name], fresh[name]], dim=2) for name in fresh}
 
-    def drop(self, victim: torch.Tensor) -> None:
+    def evict(self, victim: torch.Tensor) -> None:
         """Delete the entry at index victim [1, Hkv] of each head (rows shift down)."""
         _, Hkv, m, D = self.k.shape
         keep = torch.arange(m)[None, None, :] != victim[..., None]  # [1, Hkv, m]
@@ -55,17 +55,16 @@ class _ReferenceStep:
         self.rope = model.cfg.pos_emb is PosEmb.rope
         self.caches = [_NaiveCache() for _ in range(model.cfg.n_layer)]
         self.ablated = policy.ablated(model.cfg.n_layer) if policy.ablation else [False] * model.cfg.n_layer
-        self.t = 0
 
-    def __call__(self, l: int, a, h: torch.Tensor) -> torch.Tensor:
-        cfg, c, t = self.model.cfg, self.caches[l], self.t
+    def __call__(self, l: int, t: int, a, h: torch.Tensor) -> torch.Tensor:
+        cfg, c = self.model.cfg, self.caches[l]
         H, Hkv, D = cfg.n_head, cfg.kv_heads, cfg.head_dim
         q, k, v = a.project(h)
         k, c.last_raw = a.smear(k, c.last_raw), k
         fresh = {**self.policy.init_state(1, Hkv, 1, k), **self.policy.entry_state(k)}
         if self.rope and self.mode is PositionMode.original:
             q, k = a.rotate(q, torch.tensor([t])), a.rotate(k, torch.tensor([t]))
-        c.append(k, v, t, fresh)
+        c.update(k, v, t, fresh)
         m = c.k.shape[2]
         keys, qq = c.k, q
         if self.rope and self.mode is PositionMode.cache:
@@ -81,23 +80,21 @@ class _ReferenceStep:
         w = F.softmax(scores, dim=-1)  # [1, H, 1, m]
         y = (w @ values.repeat_interleave(H // Hkv, dim=1)).transpose(1, 2).reshape(1, 1, H * D)
         if self.policy.evicts:
-            self.evict(l, c, w.view(1, Hkv, H // Hkv, m).mean(2))
+            self.evict(l, t, c, w.view(1, Hkv, H // Hkv, m).mean(2))
         return a.out(y)
 
-    def evict(self, l: int, c: _NaiveCache, row: torch.Tensor) -> None:
+    def evict(self, l: int, t: int, c: _NaiveCache, row: torch.Tensor) -> None:
         future = None
         if self.policy.needs_future and self.reference is not None and self.reference.attention is not None:
-            fut_row = self.reference.attention.future(l, self.t)[self.row : self.row + 1]  # [1, Hkv, n]
+            fut_row = self.reference.attention.future(l, t)[self.row : self.row + 1]  # [1, Hkv, n]
 
             def future(pos, fut_row=fut_row):
                 return fut_row.gather(-1, pos)
 
-        ctx = StepContext(
-            self.t, l, self.budgets[l], c.pos, c.k, row, c.state, torch.tensor([self.doc]), future
-        )
+        ctx = StepContext(t, l, self.budgets[l], c.pos, c.k, row, c.state, torch.tensor([self.doc]), future)
         self.policy.observe(ctx)
         if c.k.shape[2] > self.budgets[l]:
-            c.drop(choose_victim(self.policy.scores(ctx), c.pos))
+            c.evict(choose_victim(self.policy.scores(ctx), c.pos))
 
 
 @torch.no_grad()
@@ -124,8 +121,9 @@ def reference_stream(
     step = _ReferenceStep(model, policy, budgets, spec.position_mode, reference, doc, row)
     nll = []
     for t in range(n):
-        step.t = t
-        logits = model.forward_with(tokens[None, t : t + 1], torch.tensor([t]), step)
+        logits = model.forward_with(
+            tokens[None, t : t + 1], torch.tensor([t]), lambda l, a, h, t=t: step(l, t, a, h)
+        )
         nll.append(-F.log_softmax(logits[0, 0], dim=-1)[tokens[t + 1]])
     return torch.stack(nll), [c.pos for c in step.caches if c.pos is not None]
 

@@ -15,39 +15,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from evictlab.eval.caches import BandCache
 from evictlab.eval.full import FullReference, token_metrics
 from evictlab.models.gpt import GPT, CausalSelfAttention
-
-
-class BandCache:
-    """One layer's keys and values that later queries can still reach: positions < n_sink and the last
-    `recent` positions (all of them when recent is None). Keys are stored rotated at their positions."""
-
-    def __init__(self, n_sink: int, recent: int | None):
-        self.n_sink, self.recent = n_sink, recent
-        self.k = self.v = self.pos = None
-        self.last_raw = None  # the raw key of the last position seen (for smeared keys)
-
-    def extend(self, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor):
-        """The held keys followed by a block's own: k, v [B, Hkv, m, D], positions [m]."""
-        if self.k is None:
-            return k, v, pos
-        return torch.cat([self.k, k], 2), torch.cat([self.v, v], 2), torch.cat([self.pos, pos])
-
-    def keep(self, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, next_start: int) -> None:
-        """Hold what queries from position next_start on can reach."""
-        if self.recent is None:
-            self.k, self.v, self.pos = k, v, pos
-            return
-        reach = (pos < self.n_sink) | (pos >= next_start - self.recent)
-        self.k, self.v, self.pos = k[:, :, reach], v[:, :, reach], pos[reach]
-
-    def visible(self, qpos: torch.Tensor, kpos: torch.Tensor) -> torch.Tensor:
-        """[b, m] bool: query at qpos[i] attends to the key at kpos[j]."""
-        causal = kpos[None, :] <= qpos[:, None]
-        if self.recent is None:
-            return causal
-        return causal & ((kpos[None, :] < self.n_sink) | (kpos[None, :] >= qpos[:, None] - self.recent))
+from evictlab.models.rope import Rope
 
 
 class _BandAttention:
@@ -61,25 +32,29 @@ class _BandAttention:
     their scores into those of the query at min(i, n_sink + recent) (`sink_bias`)."""
 
     def __init__(
-        self, caches: list[BandCache], cache_mode: bool = False, ablate: tuple[str, list[bool]] | None = None
+        self,
+        caches: list[BandCache],
+        rope: Rope,
+        cache_mode: bool = False,
+        ablate: tuple[str, list[bool]] | None = None,
     ):
-        self.caches, self.pos, self.next_start, self.cache_mode = caches, None, 0, cache_mode
+        self.caches, self.rope, self.pos, self.next_start, self.cache_mode = caches, rope, None, 0, cache_mode
         self.ablate = ablate  # (part, per-layer flags): position 0 ablated for later queries (bos_ablation)
 
     def __call__(self, l: int, a: CausalSelfAttention, h: torch.Tensor) -> torch.Tensor:
         cache = self.caches[l]
         q, k, v = a.project(h)
         smeared, cache.last_raw = a.smear(k, cache.last_raw), k[:, :, -1:]
-        qr, k = a.rotate(q, self.pos), a.rotate(smeared, self.pos)
-        K, V, P = cache.extend(k, v, self.pos)
+        qr, k = self.rope(q, self.pos), self.rope(smeared, self.pos)
+        K, V, P = cache.update(k, v, self.pos)
         mask = cache.visible(self.pos, P)
         if self.ablate is not None and self.ablate[1][l]:
             y = self.ablated(a, qr, K, V, P, mask, self.ablate[0])
-        elif self.cache_mode and cache.n_sink and cache.recent is not None and a.rope_base is not None:
-            y = a.attend(qr, K, V, mask=self.sink_bias(a, q, qr, K, P, mask, cache))
+        elif self.cache_mode and cache.n_sink and cache.recent is not None and self.rope.enabled:
+            y = a.attend(qr, K, V, mask=self.sink_bias(q, qr, K, P, mask, cache))
         else:
             y = a.attend(qr, K, V, mask=mask)
-        cache.keep(K, V, P, self.next_start)
+        cache.evict(self.next_start)
         return a.out(y)
 
     def ablated(self, a: CausalSelfAttention, qr, K, V, P, mask, part: str) -> torch.Tensor:
@@ -93,14 +68,14 @@ class _BandAttention:
             y[:, :1] = a.attend(qr[:, :, :1], K, V, mask=mask[:1])
         return y
 
-    def sink_bias(self, a: CausalSelfAttention, q, qr, K, P, mask, cache: BandCache) -> torch.Tensor:
+    def sink_bias(self, q, qr, K, P, mask, cache: BandCache) -> torch.Tensor:
         """The additive attention bias [B, H, b, Tk] of cache mode: -inf where `mask` hides a key, and on
         the sinks (the first keys held: positions sort ascending) the difference between the score at
         the sinks' re-indexed distance and the score at their text distance, so that one attention of
         the query at its text position is exact. (A bias rather than a second query: SDPA's fused CPU
         kernel needs equal query and value widths, and the sinks are a few columns.)"""
         ns = min(cache.n_sink, P.shape[0])  # the sinks are held from the first block on
-        qs = a.rotate(q, self.pos.clamp(max=cache.n_sink + cache.recent))  # the query as the sinks see it
+        qs = self.rope(q, self.pos.clamp(max=cache.n_sink + cache.recent))  # the query as the sinks see it
         B, H, b, D = q.shape
         Hkv = K.shape[1]
         dq = (qs - qr).view(B, Hkv, (H // Hkv) * b, D)  # each KV head's query heads as rows of one GEMM
@@ -172,7 +147,8 @@ def stream_static(
     inp, tgt = tokens[:, :-1], tokens[:, 1:]
     n = inp.shape[1]
     rec = Recorder(tgt, windows, ref)
-    attend = _BandAttention([BandCache(*w) for w in windows], cache_mode, ablate)
+    like = torch.empty(0, dtype=model.wte.weight.dtype, device=tokens.device)
+    attend = _BandAttention([BandCache(*w) for w in windows], Rope(model.cfg, like), cache_mode, ablate)
     for s in range(0, n, block):
         e = min(n, s + block)
         attend.pos, attend.next_start = torch.arange(s, e, device=tokens.device), e
@@ -226,7 +202,8 @@ def full_logp(model: GPT, tokens: torch.Tensor, block: int) -> torch.Tensor:
     [T, T] attention matrix is ever built (compute O(T^2), memory O(T))."""
     inp = tokens[:, :-1]
     n = inp.shape[1]
-    attend = _BandAttention([BandCache(0, None) for _ in range(model.cfg.n_layer)])
+    like = torch.empty(0, dtype=model.wte.weight.dtype, device=tokens.device)
+    attend = _BandAttention([BandCache(0, None) for _ in range(model.cfg.n_layer)], Rope(model.cfg, like))
     out = None  # filled block by block: the peak is one [B, n, V] array, not the blocks plus their join
     for s in range(0, n, block):
         e = min(n, s + block)

@@ -10,7 +10,8 @@ Shapes: B batch, T tokens, C = n_embd, H = n_head, Hkv = n_kv_head, D = head_dim
 
 The attention is split into steps that a KV-cache engine can drive on its own:
 ``project`` (x -> pre-RoPE q, k, v), ``smear`` (the optional smeared keys, which need the previous
-token's key), ``rotate`` (RoPE at explicit positions) and ``attend`` (SDPA with a mask) + ``out``.
+token's key), ``rotate`` (RoPE at explicit positions; models/rope.py) and ``attend`` (SDPA with a mask)
++ ``out``.
 ``GPT.forward_with`` runs embed -> blocks -> head and lets the caller compute each layer's attention
 (``attend(layer, attn_module, h)``), so an engine owns the keys and values while the residual structure
 stays here.
@@ -28,6 +29,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from evictlab.errors import ConfigError
+from evictlab.models.rope import apply_rope
 
 
 class PosEmb(str, Enum):
@@ -121,29 +123,6 @@ class GPTConfig:
     @property
     def hidden(self) -> int:
         return self.mlp_hidden or self.mlp_ratio * self.n_embd
-
-
-def rope_angles(pos: torch.Tensor, head_dim: int, base: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin of shape pos.shape + [head_dim // 2], computed in float64 for exact positions."""
-    inv_freq = base ** (-torch.arange(0, head_dim, 2, dtype=torch.float64, device=pos.device) / head_dim)
-    angles = pos.to(torch.float64)[..., None] * inv_freq
-    return angles.cos(), angles.sin()
-
-
-def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half RoPE of x [..., D] with cos/sin [..., R/2] broadcastable to x's leading dims; the
-    first R dims rotate and the rest pass through (partial rotary when R < D)."""
-    r = 2 * cos.shape[-1]
-    rot, rest = (x, None) if r == x.shape[-1] else (x[..., :r], x[..., r:])
-    x1, x2 = rot.chunk(2, dim=-1)
-    out = torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
-    return out if rest is None else torch.cat((out, rest), dim=-1)
-
-
-def apply_rope(x: torch.Tensor, pos: torch.Tensor, base: float, dims: int | None = None) -> torch.Tensor:
-    """Rotate the first `dims` (default all) of x [..., T, D] by positions pos (broadcastable)."""
-    cos, sin = rope_angles(pos, dims or x.shape[-1], base)
-    return rotate(x, cos.to(x.dtype), sin.to(x.dtype))
 
 
 class CausalSelfAttention(nn.Module):

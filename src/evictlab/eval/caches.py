@@ -1,0 +1,128 @@
+"""Per-layer KV caches: one interface over the layouts the engine's paths hold (as transformers'
+`CacheLayerMixin` gives one to its dynamic, sliding-window and static layers).
+
+    K, V, P = cache.update(new entries ...)   # store them -> everything the queries attend to
+    cache.evict(...)                          # back to what this layout keeps between steps
+
+* `SlotCache` (token loop, blocked path): budget + 1 preallocated slots per document and KV head, each
+  with the policy's state. `update` writes one entry into the slot the last eviction freed (`scatter_`,
+  nothing copied); `evict` empties the policy's victim per document and head, or nothing.
+* `BandCache` (parallel path: static windows, the full cache): the sinks and the last `recent` positions,
+  one contiguous run for all documents and heads. `update` appends a block of entries; `evict` drops
+  whatever no later block reaches.
+* `_NaiveCache` (eval/reference.py, the reference loop): growing tensors at batch 1. `update` is a
+  `torch.cat`; `evict` deletes the victim's row.
+
+The naive cache stays beside its loop, written the simple way on purpose: it is what the other two are
+tested against.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class BandCache:
+    """One layer's keys and values that later queries can still reach: positions < n_sink and the last
+    `recent` positions (all of them when recent is None), contiguous and shared by every document and head
+    (a position-static window keeps the same positions for all). Keys are stored rotated at their
+    positions."""
+
+    def __init__(self, n_sink: int, recent: int | None):
+        self.n_sink, self.recent = n_sink, recent
+        self.k = self.v = self.pos = None
+        self.last_raw = None  # the raw key of the last position seen (for smeared keys)
+
+    def update(
+        self, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Store a block's entries k, v [B, Hkv, m, D] at positions pos [m] after the held ones -> all of
+        them: K, V [B, Hkv, M, D] and their positions [M] (ascending)."""
+        if self.k is not None:
+            k, v, pos = torch.cat([self.k, k], 2), torch.cat([self.v, v], 2), torch.cat([self.pos, pos])
+        self.k, self.v, self.pos = k, v, pos
+        return k, v, pos
+
+    def evict(self, next_start: int) -> None:
+        """Keep only what queries from position next_start on can reach."""
+        if self.recent is None:
+            return
+        reach = (self.pos < self.n_sink) | (self.pos >= next_start - self.recent)
+        self.k, self.v, self.pos = self.k[:, :, reach], self.v[:, :, reach], self.pos[reach]
+
+    def visible(self, qpos: torch.Tensor, kpos: torch.Tensor) -> torch.Tensor:
+        """[b, m] bool: query at qpos[i] attends to the key at kpos[j]."""
+        causal = kpos[None, :] <= qpos[:, None]
+        if self.recent is None:
+            return causal
+        return causal & ((kpos[None, :] < self.n_sink) | (kpos[None, :] >= qpos[:, None] - self.recent))
+
+
+class SlotCache:
+    """Preallocated slots of one layer (gpt-fast's KVCache, extended to eviction): k, v [B, Hkv, S, D],
+    pos [B, Hkv, S] (-1 = empty) and the policy's per-slot state (each [B, Hkv, S, ...]), S = budget + 1.
+    Each document and KV head holds its own positions."""
+
+    def __init__(self, B: int, Hkv: int, S: int, D: int, like: torch.Tensor, state: dict[str, torch.Tensor]):
+        self.k = like.new_zeros(B, Hkv, S, D)
+        self.v = like.new_zeros(B, Hkv, S, D)
+        self.pos = torch.full((B, Hkv, S), -1, dtype=torch.long, device=like.device)
+        self.state = state
+        self.free = torch.zeros(B, Hkv, dtype=torch.long, device=like.device)  # slot for the next entry
+        self.last_raw = like.new_zeros(B, Hkv, 1, D)  # the previous token's raw key (for smeared keys)
+        self.count = 0  # entries held (the same for every document and head)
+        self.used = 0  # slots written at least once (slots fill in order until the first eviction)
+        self.rank: torch.Tensor | None = None  # track_ranks(): each slot's rank by position among the held
+
+    def track_ranks(self) -> None:
+        """Keep `rank` [B, Hkv, S] up to date on every write and eviction (cache mode re-indexes by it):
+        the same values as `ranks(pos)` on the held slots without a sort per step; a free slot keeps a
+        stale rank < S."""
+        self.rank = torch.zeros_like(self.pos)
+
+    def update(
+        self, k: torch.Tensor, v: torch.Tensor, t: int | torch.Tensor, init: dict[str, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Store k, v [B, Hkv, 1, D] of position t in the free slot (that slot's state starts at `init`,
+        values [B, Hkv, 1, ...], or zero) -> the held entries as views over the slots written so far:
+        K, V [B, Hkv, U, D] and pos [B, Hkv, U] (-1 where a slot is empty)."""
+        B, Hkv, _, D = k.shape
+        slot = self.free[:, :, None]
+        self.k.scatter_(2, slot[..., None].expand(B, Hkv, 1, D), k)
+        self.v.scatter_(2, slot[..., None].expand(B, Hkv, 1, D), v)
+        self.pos.scatter_(2, slot, t.expand(slot.shape) if isinstance(t, torch.Tensor) else t)
+        for name, st in self.state.items():
+            idx = slot.view(B, Hkv, 1, *([1] * (st.dim() - 3))).expand(B, Hkv, 1, *st.shape[3:])
+            if name in init:
+                st.scatter_(2, idx, init[name].to(st.dtype))
+            else:
+                st.scatter_(2, idx, 0)
+        if self.rank is not None:  # the newest position ranks after every held one
+            self.rank.scatter_(2, slot, self.count)
+        self.count += 1
+        self.used = max(self.used, self.count)
+        U = self.used
+        return self.k[:, :, :U], self.v[:, :, :U], self.pos[:, :, :U]
+
+    def held_state(self) -> dict[str, torch.Tensor]:
+        return {name: st[:, :, : self.used] for name, st in self.state.items()}
+
+    def evict(self, victim: torch.Tensor | None) -> None:
+        """Empty slot victim [B, Hkv] (the next entry goes there), or with None evict nothing this step (the
+        next entry goes to the next never-used slot)."""
+        if victim is None:
+            self.free.fill_(self.count)
+            return
+        self.pos.scatter_(2, victim[:, :, None], -1)
+        if self.rank is not None:  # the entries after the victim move down one rank
+            self.rank.add_(self.rank > self.rank.gather(2, victim[:, :, None]), alpha=-1)
+        self.free.copy_(victim)  # the same buffer every step (a compiled step reads it as a graph input)
+        self.count -= 1
+
+
+def ranks(pos: torch.Tensor) -> torch.Tensor:
+    """Rank of each valid slot's position among the valid slots of its (doc, head); invalid slots last."""
+    key = pos.masked_fill(pos < 0, torch.iinfo(pos.dtype).max)
+    order = key.argsort(dim=-1)
+    ar = torch.arange(pos.shape[-1], device=pos.device).expand_as(pos)
+    return torch.empty_like(pos).scatter_(-1, order, ar)
