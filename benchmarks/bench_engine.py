@@ -1,10 +1,10 @@
-"""Engine speed and KV memory against the naive reference loop, measured in the same run.
+"""Engine speed and KV memory against the naive loop, measured in the same run.
 
     python benchmarks/bench_engine.py            # the issue's workload (make bench)
     python benchmarks/bench_engine.py --docs 8 --length 256 --quick
 
 Workload: gpt_small with random weights, `--docs` documents x `--length` tokens, budget `--budget`,
-`--threads` torch threads. The reference loop (batch 1, torch.cat) streams `--ref-docs` documents;
+`--threads` torch threads. The naive loop (batch 1, torch.cat) streams `--ref-docs` documents;
 the engine streams all of them. Writes outputs/bench/latest.json (one row per policy x mode) and
 prints the table that benchmarks/README.md quotes.
 """
@@ -22,12 +22,12 @@ import torch
 from evictlab.cache import POLICIES, make_policy
 from evictlab.eval import StreamSpec, full_reference
 from evictlab.eval.evaluate import evaluate, kv_bytes
-from evictlab.eval.reference import reference_stream
+from evictlab.eval.naive import naive_stream
 from evictlab.models.gpt import GPT, GPTConfig
 from evictlab.perf import cpu_name, matmul_flops_per_s, save_report, set_threads
 from evictlab.store import git_info
 
-SCORE_FREE_TARGET, SCORED_TARGET, PARALLEL_TARGET = 10.0, 6.0, 20.0  # speed-up over the reference loop
+SCORE_FREE_TARGET, SCORED_TARGET, PARALLEL_TARGET = 10.0, 6.0, 20.0  # speed-up over the naive loop
 # share of the FLOP floor (issue 15): block paths, score-free token-step paths, attention-scored loops
 FLOOR_TARGETS = {"parallel": 0.35, "score_free": 0.25, "scored": 0.15}
 
@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--budget", type=int, default=128)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--batch", type=int, default=64, help="engine batch (documents per stream call)")
-    ap.add_argument("--ref-docs", type=int, default=1, help="documents the reference loop streams")
+    ap.add_argument("--ref-docs", type=int, default=1, help="documents the naive loop streams")
     slow_help = "documents for recompute_window and oracle (their cost is per token, not per batch)"
     ap.add_argument("--slow-docs", type=int, default=8, help=slow_help)
     ap.add_argument("--policies", default="all", help="comma-separated names, or all")
@@ -83,14 +83,14 @@ def main(argv: list[str] | None = None) -> dict:
     for name, mode in cases:
         policy = make_policy(name)
         n = args.length - 1
-        # reference loop: batch 1, torch.cat, explicit attention
+        # naive loop: batch 1, torch.cat, explicit attention
         ref_tokens = 0
         start = time.perf_counter()
         for d in range(args.ref_docs):
             reference = (
                 full_reference(model, tokens[d : d + 1], attention=True) if policy.needs_future else None
             )
-            reference_stream(
+            naive_stream(
                 model,
                 tokens[d],
                 policy,

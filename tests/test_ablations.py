@@ -1,6 +1,6 @@
 """Issue 27's ablations as run options: BOS's key masked or value zeroed in the full cache (all layers or
 one), window + recompute with the first tokens at the head of each window, StreamingLLM whose sink is a
-text token. tests/test_policies.py holds each equal to the reference loop; these test what each means."""
+text token. tests/test_policies.py holds each equal to the naive loop; these test what each means."""
 
 from __future__ import annotations
 

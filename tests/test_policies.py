@@ -10,7 +10,7 @@ import torch
 
 from evictlab.cache import POLICIES, make_policy
 from evictlab.cache.policies import StepContext, choose_victim
-from evictlab.eval import PositionMode, StreamSpec, full_reference, reference_stream, stream
+from evictlab.eval import PositionMode, StreamSpec, full_reference, naive_stream, stream
 from evictlab.eval.engine import plan
 from evictlab.models.gpt import GPT, GPTConfig
 
@@ -93,7 +93,7 @@ def test_engine_equals_reference_loop(setup, name, mode, size):
     out = run(setup, name, mode, budget)
     policy = policy_of(name)
     for b in range(tokens.shape[0]):
-        nll, kept = reference_stream(
+        nll, kept = naive_stream(
             model, tokens[b], policy, budget, StreamSpec(position_mode=mode), reference=ref, doc=b, row=b
         )
         assert (nll - out.nll[b]).abs().max().item() <= 1e-5, (name, mode, b)
@@ -418,7 +418,7 @@ def test_readme_add_a_policy_example_works(setup):
         assert "keep_first" in POLICIES
         model, tokens, ref = setup
         out = stream(model, tokens, make_policy("keep_first", n_recent=2), 10, reference=ref)
-        nll, kept = reference_stream(model, tokens[0], make_policy("keep_first", n_recent=2), 10)
+        nll, kept = naive_stream(model, tokens[0], make_policy("keep_first", n_recent=2), 10)
         assert (nll - out.nll[0]).abs().max() <= 1e-10
         assert kept[0][0, 0].tolist() == [*range(8), 37, 38]  # the first entries and the 2 most recent
     finally:

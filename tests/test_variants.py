@@ -123,8 +123,8 @@ def _variant_tables() -> tuple[pd.DataFrame, pd.DataFrame]:
     return with_facts(layers), with_facts(pd.DataFrame(runs))
 
 
-def test_first_token_mass_is_layers_by_heads():
-    mass = S.first_token_mass(_variant_tables()[0])
+def test_first_position_mass_is_layers_by_heads():
+    mass = S.first_position_mass(_variant_tables()[0])
     assert set(mass) == {"steps200", "base", "steps800"}
     assert mass["base"].shape == (3, 4)
     assert mass["base"][2, 3] == pytest.approx(0.01 * 11 * 2.0)  # [11] is layer 2 head 3, not after [1]

@@ -24,7 +24,7 @@ from evictlab.analysis.stats import (  # noqa: E402
     evicting,
     eviction_arms,
     eviction_ratios,
-    first_token_mass,
+    first_position_mass,
     is_reference,
     layer_values,
     reference,
@@ -561,7 +561,7 @@ def recall_heatmaps(recall: pd.DataFrame, column: str = "exact_greedy", mode: st
 def sink_by_variant(layers: pd.DataFrame, stat: str = "max") -> Figure:
     """Full-cache attention on position 0 per layer (max or mean over heads), one row per training
     variant: which recipes grow an attention sink, and in which layers."""
-    rows = {v: getattr(m, stat)(axis=1) for v, m in first_token_mass(layers).items()}
+    rows = {v: getattr(m, stat)(axis=1) for v, m in first_position_mass(layers).items()}
     if not rows:
         raise ValueError("sink_by_variant needs full-cache runs in the original position mode")
     order = variants(rows)
@@ -633,7 +633,7 @@ def sink_trend(layers: pd.DataFrame, runs: pd.DataFrame, axes: dict, arms: list 
     of each evicting policy in `arms` (default: all) relative to the full cache (original positions, mean
     over seeds)."""
     P = Policies(runs)
-    mass = first_token_mass(layers)
+    mass = first_position_mass(layers)
     original = runs[runs["position_mode"] == "original"]
     ppl = original.groupby(["variant", "strategy"])["ppl"].mean()
     full = reference(original).groupby("variant")["ppl"].mean()
@@ -779,7 +779,7 @@ def _arms(t: Tables) -> bool:
 
 
 def _variant_sink(t: Tables) -> bool:
-    return _many_variants(t) and bool(first_token_mass(t["layers"]))
+    return _many_variants(t) and bool(first_position_mass(t["layers"]))
 
 
 def _variant_eviction(t: Tables) -> bool:

@@ -110,7 +110,7 @@ def variant_table(tables: dict[str, pd.DataFrame], arms: list | None = None) -> 
     bootstrap CIs over (seed, stream) units."""
     runs, streams = tables["runs"], tables["streams"]
     P = S.PolicyOrder(streams)
-    mass = S.first_token_mass(tables["layers"])
+    mass = S.first_position_mass(tables["layers"])
     ratios = S.eviction_ratios(streams).set_index(["variant", "strategy", "position_mode"])
     arms = [tuple(a) for a in (arms or S.eviction_arms(streams))]
     original = streams[streams["position_mode"] == "original"]

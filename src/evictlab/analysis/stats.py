@@ -145,7 +145,7 @@ def variants(names) -> list[str]:
     return (["base"] if "base" in names else []) + [n for n in names if n != "base"]
 
 
-def first_token_mass(layers: pd.DataFrame) -> dict[str, np.ndarray]:
+def first_position_mass(layers: pd.DataFrame) -> dict[str, np.ndarray]:
     """variant -> [L, H] full-cache attention on position 0 (original positions, mean over seeds)."""
     m = layer_values(layers, "first_position_mass")
     if m.empty:

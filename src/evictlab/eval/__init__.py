@@ -1,6 +1,6 @@
 from evictlab.eval.engine import StreamOutput, generate, stream
 from evictlab.eval.full import FullReference, full_reference
-from evictlab.eval.reference import reference_stream
+from evictlab.eval.naive import naive_stream
 from evictlab.eval.spec import PositionMode, StreamSpec
 
 __all__ = [
@@ -10,6 +10,6 @@ __all__ = [
     "StreamSpec",
     "full_reference",
     "generate",
-    "reference_stream",
+    "naive_stream",
     "stream",
 ]

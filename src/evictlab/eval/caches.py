@@ -10,7 +10,7 @@
 * `BandCache` (parallel path: static windows, the full cache): the sinks and the last `recent` positions,
   one contiguous run for all documents and heads. `update` appends a block of entries; `evict` drops
   whatever no later block reaches.
-* `_NaiveCache` (eval/reference.py, the reference loop): growing tensors at batch 1. `update` is a
+* `_NaiveCache` (eval/naive.py, the naive loop): growing tensors at batch 1. `update` is a
   `torch.cat`; `evict` deletes the victim's row.
 
 The naive cache stays beside its loop, written the simple way on purpose: it is what the other two are

@@ -3,7 +3,7 @@
 `plan(policy, budget, spec, n_layer, T)` decides, in one place and from nothing but the policy's flags and
 the settings, how a stream runs: its path, the per-layer budgets and the block size. `stream` then calls
 that path's runner; every runner takes the same arguments and returns a `StreamOutput`. The paths, all
-exact (tests/test_policies.py holds each equal to the reference loop):
+exact (tests/test_policies.py holds each equal to the naive loop):
 
 * **parallel** - position-static policies (`static_window`) in both position modes (in ``cache`` mode a
   contiguous run keeps its distances and only the sinks move): blocks of queries, each over the keys

@@ -1,7 +1,7 @@
 """How a stream is evaluated: one settings object from the config to the engine, and the position rules.
 
 `StreamSpec` carries everything about an evaluation besides the model, the tokens, the policy and the
-budget. `EvalConfig.spec()` builds it once; `evaluate`, `stream`, `generate`, the reference loop and the
+budget. `EvalConfig.spec()` builds it once; `evaluate`, `stream`, `generate`, the naive loop and the
 recall and generation metrics all take it as one value, so a new setting is added in one place.
 """
 

@@ -6,7 +6,7 @@ lowest valid one is evicted (ties go to the oldest position). `inf` protects a s
 
 Per-slot state a policy keeps (accumulated attention, counters) lives in `ctx.state`, a dict of
 tensors shaped [B, Hkv, S, ...] whose dim 2 is the slot: the engine resets a slot's state when a new
-entry is written there (to zero, or to `entry_state`), and the reference loop deletes rows, so
+entry is written there (to zero, or to `entry_state`), and the naive loop deletes rows, so
 policies never manage slot reuse.
 """
 

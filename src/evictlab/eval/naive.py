@@ -1,6 +1,6 @@
-"""The reference loop: the lesson's style on purpose (batch 1, `torch.cat`, explicit attention).
+"""The naive loop: the lesson's style on purpose (batch 1, `torch.cat`, explicit attention).
 
-It is the test oracle for the engine and the benchmark's naive baseline. It shares only the model's
+It is what the tests hold every engine path to, and the benchmark's baseline. It shares only the model's
 projection/RoPE steps and each policy's `scores` with the engine; cache layout, slot reuse, masking,
 position re-indexing and batching are all done here the simple way.
 """
@@ -46,7 +46,7 @@ class _NaiveCache:
             self.state[name] = st[mask].view(1, Hkv, m - 1, *st.shape[3:])
 
 
-class _ReferenceStep:
+class _NaiveStep:
     """Every layer's attention and eviction for one document, step by step."""
 
     def __init__(self, model: GPT, policy: Policy, budgets, mode, reference, doc: int, row: int):
@@ -98,7 +98,7 @@ class _ReferenceStep:
 
 
 @torch.no_grad()
-def reference_stream(
+def naive_stream(
     model: GPT,
     tokens: torch.Tensor,
     policy: Policy,
@@ -117,8 +117,8 @@ def reference_stream(
     n = tokens.shape[0] - 1
     budgets = budgets_for(model.cfg.n_layer, policy, budget, spec.allocation, n)
     if policy.recompute:
-        return _reference_recompute(model, tokens, budgets[0], policy.n_sink), []
-    step = _ReferenceStep(model, policy, budgets, spec.position_mode, reference, doc, row)
+        return _naive_recompute(model, tokens, budgets[0], policy.n_sink), []
+    step = _NaiveStep(model, policy, budgets, spec.position_mode, reference, doc, row)
     nll = []
     for t in range(n):
         logits = model.forward_with(
@@ -128,7 +128,7 @@ def reference_stream(
     return torch.stack(nll), [c.pos for c in step.caches if c.pos is not None]
 
 
-def _reference_recompute(model: GPT, tokens: torch.Tensor, budget: int, n_sink: int = 0) -> torch.Tensor:
+def _naive_recompute(model: GPT, tokens: torch.Tensor, budget: int, n_sink: int = 0) -> torch.Tensor:
     """Sliding window with re-computation, one window at a time, re-encoded from position 0 (the first
     n_sink tokens first, once the prefix no longer fits)."""
     nll = []
