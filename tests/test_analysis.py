@@ -576,3 +576,31 @@ def test_a_narrow_ratio_axis_is_linear_and_sink_colours_are_anchored_at_the_sink
     F._log_y(ax2)
     assert ax2.get_yscale() == "log"
     assert F.SINK_THRESHOLD == 0.3
+
+
+def test_throughput_shows_the_spread_over_runs_and_says_which_policies_have_no_policy_step():
+    runs = synthetic_runs()
+    runs["path"] = np.where(runs["strategy"] == "h2o", "blocked", "parallel")
+    fig = F.throughput(runs)
+    speed, share = fig.axes
+    assert speed.containers and any(c.has_xerr for c in speed.containers if hasattr(c, "has_xerr"))
+    notes = [t.get_text() for t in share.texts]
+    assert notes.count("no per-step policy call (parallel path)") == runs["strategy"].nunique() - 1
+    assert (
+        fig._suptitle.get_text() == "Speed and policy overhead (12 runs per policy; CPU)"
+    )  # no caption: none
+    runs["model"], runs["dataset"], runs["n_streams"] = "gpt_small", "man_pages", 8
+    title = F.throughput(runs)._suptitle.get_text()
+    assert title.split("\n")[1].startswith("gpt_small on man_pages, ")  # (8 streams x the seeds)
+
+
+def test_sink_trend_reaches_the_sink_threshold_and_labels_its_reference_lines():
+    from tests.test_variants import _variant_tables
+
+    layers, runs = _variant_tables()
+    fig = F.sink_trend(layers, runs, {"training steps": {"steps200": 200, "base": 400, "steps800": 800}})
+    top, bottom = fig.axes[0], fig.axes[1]
+    assert top.get_ylim()[1] >= 30 + 5  # a few percent does not fill the axis
+    assert "sink head (Gu et al.: 30%)" in [ln.get_label() for ln in top.get_lines()]
+    assert "full cache" in [ln.get_label() for ln in bottom.get_lines()]
+    assert fig._suptitle.get_text().startswith("Does a sink grow")

@@ -307,20 +307,40 @@ def quality_vs_memory(runs: pd.DataFrame, mode: str = "original") -> Figure:
 
 
 def throughput(runs: pd.DataFrame) -> Figure:
-    """Token-steps per second per policy (log scale) and the share of step time inside the policy."""
+    """Token-steps per second per policy (log scale; median over runs, whiskers from the slowest to the
+    fastest run) and the share of step time inside the policy (a policy evaluated without a per-step
+    policy call, on the parallel or recompute path, says so instead of drawing a zero)."""
     P = Policies(runs)
-    r = runs.groupby("strategy", as_index=False)[["token_steps_per_s", "policy_time_share"]].median()
-    names = P.ordered(r["strategy"])
-    r = r.set_index("strategy").loc[names].reset_index()
+    stats = runs.groupby("strategy")[["token_steps_per_s", "policy_time_share"]]
+    r, low, high = stats.median(), stats.min(), stats.max()
+    names = P.ordered(r.index)
+    r, low, high = r.loc[names], low.loc[names], high.loc[names]
     labels, colors = [P.label(n) for n in names], [P.color(n) for n in names]
-    fig, axes = plt.subplots(1, 2, figsize=(9.6, 3.8))
-    axes[0].barh(labels, r["token_steps_per_s"], color=colors)
+    speed = r["token_steps_per_s"].to_numpy()
+    spread = np.vstack([speed - low["token_steps_per_s"], high["token_steps_per_s"] - speed])
+    fig, axes = plt.subplots(1, 2, figsize=(9.6, 0.32 * len(names) + 2.4))
+    axes[0].barh(labels, speed, color=colors, xerr=spread, error_kw={"elinewidth": 0.8, "capsize": 2})
     axes[0].set_xscale("log")
-    axes[0].set_xlabel("token-steps / s (median over runs)")
-    axes[1].barh(labels, 100 * r["policy_time_share"], color=colors)
+    axes[0].set_xlabel("token-steps / s (median over runs; whiskers: slowest to fastest)")
+    share = 100 * r["policy_time_share"].to_numpy()
+    axes[1].barh(labels, np.nan_to_num(share), color=colors)
+    paths = runs.groupby("strategy")["path"].agg(set) if "path" in runs else pd.Series(dtype=object)
+    for i, name in enumerate(names):
+        path = "/".join(sorted(str(x) for x in paths.get(name, set()) if pd.notna(x)))
+        if path in ("parallel", "recompute") or not np.isfinite(share[i]):
+            text = f"no per-step policy call ({path} path)" if path else "not measured"
+            axes[1].text(0.5, i, text, va="center", fontsize=7, color="0.35")
     axes[1].set_xlabel("% of step time in the policy")
     axes[1].set_yticklabels([])
-    fig.suptitle("Speed and policy overhead")
+    per = runs.groupby("strategy").size()
+    counts = f"{per.min()}" if per.min() == per.max() else f"{per.min()}-{per.max()}"
+    threads = ""
+    if "cfg.eval.threads" in runs and runs["cfg.eval.threads"].notna().any():
+        threads = ", " + " / ".join(f"{int(t)}" for t in sorted(runs["cfg.eval.threads"].dropna().unique()))
+        threads += " evaluation thread(s)"
+    caption = subject_caption(runs)
+    title = f"Speed and policy overhead ({counts} runs per policy{threads}; CPU)"
+    fig.suptitle(title + (f"\n{caption}" if caption else ""))
     fig.tight_layout()
     return fig
 
@@ -645,10 +665,13 @@ def sink_trend(layers: pd.DataFrame, runs: pd.DataFrame, axes: dict, arms: list 
         top, bottom = grid[0][col], grid[1][col]
         top.plot(xs, [100 * mass[v].max() for _, v in pts], "o-", color="0.15", label="strongest head")
         top.plot(xs, [100 * mass[v].mean() for _, v in pts], "s--", color="0.55", label="mean over heads")
+        # the axis reaches the sink threshold, so a few percent does not read as a sink
+        top.axhline(100 * SINK_THRESHOLD, color="tab:red", ls=":", lw=1, label="sink head (Gu et al.: 30%)")
+        top.set_ylim(0, max(100 * SINK_THRESHOLD + 5, top.get_ylim()[1]))
         for name in arms:
             ys = [ppl.get((v, name), np.nan) / full.get(v, np.nan) for _, v in pts]
             bottom.plot(xs, ys, "o-", color=P.color(name), label=P.label(name))
-        bottom.axhline(1.0, color="k", lw=0.8)
+        bottom.axhline(1.0, color="k", lw=0.8, label="full cache")
         for ax in (top, bottom):
             if xs and min(xs) > 0:  # steps, layers: a log axis; a share that includes 0: a linear one
                 ax.set_xscale("log", base=2)
@@ -659,7 +682,9 @@ def sink_trend(layers: pd.DataFrame, runs: pd.DataFrame, axes: dict, arms: list 
     grid[1][0].set_ylabel("perplexity / full cache")
     grid[0][0].legend(fontsize=8)
     grid[1][0].legend(fontsize=8)
-    fig.suptitle("Does a sink grow with training and size, and does evicting it hurt?")
+    caption = subject_caption(original)
+    title = "Does a sink grow with training and size, and does evicting it hurt? (mean over training seeds)"
+    fig.suptitle(title + (f"\n{caption}" if caption else ""))
     fig.tight_layout()
     return fig
 
