@@ -123,6 +123,44 @@ def test_sink_metrics_follow_gu_et_al(monkeypatch, corpus):
     assert last.tolist() == pytest.approx([0.5, 0.35, 0.3])  # mean over heads
     a = layers[layers["metric"] == "sink_alpha"].pivot(index="layer", columns="head", values="value")
     np.testing.assert_allclose(a.to_numpy(), alpha.numpy(), rtol=1e-6)
+    # every query of a head attends alike here: its percentiles are its alpha, and the query shares the
+    # head shares
+    for q in (10, 50, 90):
+        p = layers[layers["metric"] == f"sink_alpha_p{q}"].pivot(
+            index="layer", columns="head", values="value"
+        )
+        np.testing.assert_allclose(p.to_numpy(), alpha.numpy(), rtol=1e-6)
+    assert [scalars[f"sink_query_share_eps{e}"] for e in (10, 20, 30)] == pytest.approx([5 / 6, 4 / 6, 3 / 6])
+
+
+def test_the_per_query_distribution_sees_what_the_mean_hides(monkeypatch, corpus):
+    """Two heads with the same alpha (about 0.2, below Gu's 0.3): one gives every query 0.2, the other gives
+    a fifth of its queries everything and the rest nothing. The percentiles and the query share tell them
+    apart; query 0 (attention 1 on itself) is not part of the distribution."""
+
+    def fake(model, tokens):
+        B, n = tokens.shape[0], tokens.shape[1] - 1
+        out = torch.zeros(1, B, 2, n)
+        out[0, :, 0] = 0.2
+        out[0, :, 1, ::5] = 1.0  # queries 0, 5, 10, ...: every fifth
+        out[..., 0] = 1.0  # query 0 sees only itself
+        return out
+
+    monkeypatch.setattr(sinks, "_first_position_attention", fake)
+    scalars, layers = sinks.sink_metrics(torch.nn.Linear(1, 1), corpus, 64, False)
+    pct = {
+        (m, int(h)): v
+        for m, h, v in layers[layers["metric"].str.startswith("sink_alpha_p")][
+            ["metric", "head", "value"]
+        ].values
+    }
+    assert pct[("sink_alpha_p50", 0)] == pytest.approx(0.2) and pct[("sink_alpha_p90", 0)] == pytest.approx(
+        0.2
+    )
+    assert pct[("sink_alpha_p50", 1)] == 0.0 and pct[("sink_alpha_p90", 1)] == 1.0
+    assert scalars["sink_head_fraction_eps30"] == 0.0  # neither head's mean reaches 0.3
+    n = 63  # queries 1 .. 63 of each 64-token sequence
+    assert scalars["sink_query_share_eps30"] == pytest.approx(len(range(5, 64, 5)) / n / 2)
 
 
 def test_cached_sink_metrics_are_measured_again_for_streams_without_bos(monkeypatch, corpus, tmp_path):
@@ -161,5 +199,6 @@ def test_runs_and_checkpoints_record_the_sink_metrics(tiny_checkpoint, tmp_path)
     m = run_mod.run(cfg)
     assert {"sink_head_fraction", "sink_head_fraction_deep"} <= set(m)
     layers = pd.read_parquet(run_mod.run_dir(cfg) / "layers.parquet")
-    assert {"sink_alpha", "last_query_first_mass"} <= set(layers["metric"])
+    assert {"sink_alpha", "sink_alpha_p50", "last_query_first_mass"} <= set(layers["metric"])
+    assert {"sink_query_share_eps30"} <= set(m)
     assert ByteTokenizer().encode("@")[0] == ord("@")  # the byte tokenizer maps bytes to their ids

@@ -7,6 +7,11 @@ checkpoint meta).
 * `sink_head_fraction_deep`: the same over layers >= 1 (Gu and StreamingLLM find no sinks in layer 0).
 * `sink_head_fraction_eps10`, `_eps20`, `_eps30`: the share at epsilon 0.1, 0.2 and 0.3 (Gu et al. report
   the metric's dependence on the threshold; a 0.3 cut alone hides heads just below it).
+* the per-query distribution behind alpha_h (a mean can hide a head that gives position 0 everything for
+  a few queries and nothing for the rest): per (layer, head) the 10th, 50th and 90th percentile over the
+  queries (`sink_alpha_p10/_p50/_p90`), and `sink_query_share_eps10/20/30`, the share of (layer, head,
+  query) triples above each threshold. Query 0 is left out of the distribution (it can only attend to
+  itself); alpha_h keeps it, as Gu et al. define it.
 * per layer: the attention the last query puts on position 0 at the training context (StreamingLLM,
   App. F), mean over heads and sequences.
 
@@ -29,8 +34,10 @@ from evictlab.eval.full import attention_summary
 from evictlab.models.gpt import GPT
 from evictlab.store import file_lock, stable_hash, write_json
 
-# part of the cached metrics' key: bump when their definition changes (2: the share at three thresholds)
-SINK_FORMAT = 2
+# part of the cached metrics' key: bump when their definition changes (2: the share at three thresholds;
+# 3: the per-query distribution)
+SINK_FORMAT = 3
+SINK_PERCENTILES = (10, 50, 90)  # of the per-query attention on position 0, per (layer, head)
 
 SINK_THRESHOLD = 0.3  # Gu et al.'s epsilon
 SINK_THRESHOLDS = (0.1, 0.2, 0.3)  # also reported (`sink_head_fraction_eps<100 x epsilon>`)
@@ -51,7 +58,10 @@ def sink_metrics(model: GPT, corpus: Corpus, context: int, sink_token: bool, spl
     """(scalars, per-layer/per-head rows for layers.parquet) of the model's attention sink."""
     device = next(model.parameters()).device
     short = eval_streams(corpus, SINK_SEQS, SINK_SEQ_LEN + 1, sink_token, "concat", split, seed=0)
-    alpha = _first_position_attention(model, short.to(device)).mean(dim=(1, 3))  # [L, H]
+    first = _first_position_attention(model, short.to(device))  # [L, B, H, n]
+    alpha = first.mean(dim=(1, 3))  # [L, H]
+    per_query = first[..., 1:].transpose(1, 2).flatten(2).float()  # [L, H, B * (n-1)]: query 0 left out
+    pct = torch.quantile(per_query, torch.tensor(SINK_PERCENTILES, dtype=per_query.dtype) / 100, dim=-1)
     sinks = (alpha > SINK_THRESHOLD).float()  # [L, H]
     n_long = min(LAST_QUERY_SEQS, max(1, len(corpus.splits[split].ids) // (context + 1) - 1))
     long = eval_streams(corpus, n_long, context + 1, sink_token, "concat", split, seed=0)
@@ -62,11 +72,18 @@ def sink_metrics(model: GPT, corpus: Corpus, context: int, sink_token: bool, spl
     }
     for eps in SINK_THRESHOLDS:
         scalars[f"sink_head_fraction_eps{round(100 * eps)}"] = float((alpha > eps).float().mean())
+        scalars[f"sink_query_share_eps{round(100 * eps)}"] = float((per_query > eps).float().mean())
     rows = [
         {"layer": l, "head": None, "metric": "last_query_first_mass", "value": v} for l, v in enumerate(last)
     ]
     rows += [
         {"layer": l, "head": h, "metric": "sink_alpha", "value": float(alpha[l, h])}
+        for l in range(alpha.shape[0])
+        for h in range(alpha.shape[1])
+    ]
+    rows += [
+        {"layer": l, "head": h, "metric": f"sink_alpha_p{q}", "value": float(pct[i, l, h])}
+        for i, q in enumerate(SINK_PERCENTILES)
         for l in range(alpha.shape[0])
         for h in range(alpha.shape[1])
     ]
@@ -93,7 +110,7 @@ def cached_sink_metrics(
             "dtype": str(weights.dtype),
             "device": weights.device.type,
             "format": SINK_FORMAT,
-            "shape": [SINK_THRESHOLDS, SINK_SEQ_LEN, SINK_SEQS, LAST_QUERY_SEQS],
+            "shape": [SINK_THRESHOLDS, SINK_SEQ_LEN, SINK_SEQS, LAST_QUERY_SEQS, SINK_PERCENTILES],
         }
     )
     path = Path(root) / f"{key}.json"
