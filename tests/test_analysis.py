@@ -99,6 +99,37 @@ def test_a_run_of_an_earlier_format_with_the_same_meaning_is_read(sweep: Path, t
     assert t["results"]["weights_sha256"].isna().all()
 
 
+def test_a_format_4_run_reads_under_the_current_names_and_stays_done(sweep: Path, tmp_path: Path):
+    """RUN_FORMAT 5 renamed `sink_mass` to `first4_mass` (one name per quantity): a format-4 run folder, with
+    the old per-token columns and layers metric, aggregates under the new names and is not redone."""
+    import shutil
+
+    from evictlab import results as R
+    from evictlab.identity import is_done
+
+    ok = next(p.parent for p in sweep.rglob("metrics.json") if json.loads(p.read_text())["status"] == "ok")
+    group = tmp_path / "outputs" / "runs" / "g"
+    old = shutil.copytree(ok, group / ok.name)
+    pt = pd.read_parquet(old / "per_token.parquet")
+    assert "first4_mass_mean" in pt
+    pt.rename(columns=lambda c: c.replace("first4_mass", "sink_mass")).to_parquet(old / "per_token.parquet")
+    layers = pd.read_parquet(old / "layers.parquet")
+    layers["metric"] = layers["metric"].replace({"first4_mass": "sink_mass"})
+    layers.to_parquet(old / "layers.parquet")
+    m = json.loads((old / "metrics.json").read_text())
+    (old / "metrics.json").write_text(json.dumps(m | {"run_format": 4}))
+    assert is_done(old)
+    t = aggregate([group], group)
+    assert t["failures"].empty and "sink_mass" not in set(t["layers"]["metric"])
+    assert (t["layers"]["metric"] == "first4_mass").any()
+    # and an aggregated table written before the rename reads under the new names too
+    t["layers"].assign(metric=t["layers"]["metric"].replace({"first4_mass": "sink_mass"})).to_parquet(
+        group / "layers.parquet"
+    )
+    assert "first4_mass" in set(R.read_tables(group)["layers"]["metric"])
+    assert R.current_names(pd.DataFrame({"sink_mass_l3": [1.0]})).columns.tolist() == ["first4_mass_l3"]
+
+
 def test_bootstrap_ci_contains_the_point():
     rng = np.random.default_rng(0)
     for n in (2, 5, 40):
@@ -139,7 +170,7 @@ def synthetic_runs() -> pd.DataFrame:
 
 
 def synthetic_layers() -> pd.DataFrame:
-    rows = [{"strategy": "window", "run_key": k, "layer": layer, "head": None, "metric": "sink_mass",
+    rows = [{"strategy": "window", "run_key": k, "layer": layer, "head": None, "metric": "first4_mass",
              "value": 0.1 * layer} for k in ("a", "b") for layer in range(4)]  # fmt: skip
     return with_facts(pd.DataFrame(rows))
 
@@ -186,7 +217,7 @@ FIGS = [
     ("nll_vs_position", lambda: F.nll_vs_position(synthetic_curves(), 16), "token position", "NLL"),
     ("quality_vs_memory", lambda: F.quality_vs_memory(synthetic_runs()), "KV cache held", "perplexity"),
     ("throughput", lambda: F.throughput(synthetic_runs()), "token-steps / s", ""),
-    ("sink_mass", lambda: F.sink_mass(synthetic_layers()), "layer", "% attention"),
+    ("first4_mass", lambda: F.first4_mass(synthetic_layers()), "layer", "% attention"),
     ("position_modes", lambda: F.position_modes(synthetic_streams()), "", "perplexity"),
     ("attention_heatmap", lambda: F.attention_heatmap(synthetic_attention()), "key position", "layer"),
     ("recall_heatmaps", lambda: F.recall_heatmaps(synthetic_recall()), "budget", "needle depth"),
@@ -235,7 +266,7 @@ def test_report_references_every_figure(sweep: Path, tmp_path: Path):
     assert report_main([str(sweep), "--out", str(out), "--report", str(report), "--no-wandb"]) == 0
     html = report.read_text()
     figs = F.draw_all(load_tables(sweep))
-    expected = {"ppl_vs_budget", "position_modes", "nll_vs_position", "sink_mass", "attention_heatmap"}
+    expected = {"ppl_vs_budget", "position_modes", "nll_vs_position", "first4_mass", "attention_heatmap"}
     assert expected <= set(figs)
     for stem in figs:
         assert (out / f"{stem}.png").exists() and (out / f"{stem}.pdf").exists()

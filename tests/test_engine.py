@@ -123,7 +123,9 @@ def test_evaluate_summary_is_consistent(model, tokens):
     res = evaluate(model, tokens, make_policy("h2o"), 8, StreamSpec(batch_size=1))
     s, pt = res.summary, res.per_token
     assert (
-        pt["nll"].shape == (2, 32) and pt["lost"].shape == (2, 32, 4) and pt["sink_mass"].shape == (2, 32, 4)
+        pt["nll"].shape == (2, 32)
+        and pt["lost"].shape == (2, 32, 4)
+        and pt["first4_mass"].shape == (2, 32, 4)
     )
     assert s["ppl"] == pytest.approx(math.exp(pt["nll"].mean()), rel=1e-6)
     assert set(np.unique(pt["correct"])) <= {0.0, 1.0} and s["top1_accuracy"] == pytest.approx(
@@ -145,7 +147,7 @@ def test_layer_table_is_tidy_and_matches_the_full_cache_attention(model, tokens)
     assert by["budget"]["value"].tolist() == [8.0] * 4 and by["budget"]["head"].isna().all()
     lost = by["attention_lost"].sort_values("layer")["value"].to_numpy()
     np.testing.assert_allclose(lost, res.per_token["lost"].mean(axis=(0, 1)), rtol=1e-6)
-    assert ((by["sink_mass"]["value"] >= 0) & (by["sink_mass"]["value"] <= 1)).all()
+    assert ((by["first4_mass"]["value"] >= 0) & (by["first4_mass"]["value"] <= 1)).all()
     # first_position_mass per (layer, head) = mean over both streams of the full cache's attention on pos 0
     per_head = by["first_position_mass"].pivot(index="layer", columns="head", values="value").to_numpy()
     refs = [full_reference(model, tokens[i : i + 1]) for i in range(2)]
@@ -195,7 +197,7 @@ def test_full_reference_attention_rows_sum_to_one(model, tokens):
             torch.testing.assert_close(att.window_mass(l, s, e, window), (a[:, :, s:e, :e] * keep).sum(-1))
         # the summaries the forward computed are those of the rows
         torch.testing.assert_close(att.first[l], a[..., 0])
-        torch.testing.assert_close(att.sink[..., l], a[..., :4].sum(-1).mean(1))
+        torch.testing.assert_close(att.first4[..., l], a[..., :4].sum(-1).mean(1))
         torch.testing.assert_close(att.by_key_sum[l], a.sum(dim=(0, 1, 2)))
 
 
@@ -323,7 +325,7 @@ def test_shared_reference_with_attention_rows(model, tokens, tmp_path, monkeypat
     for name in ("tova", "oracle"):
         got = evaluate(model, tokens, make_policy(name), 8, DEFAULT_SPEC, shared)
         alone = evaluate(model, tokens, make_policy(name), 8, DEFAULT_SPEC)
-        for key in ("nll", "kl", "lost", "sink_mass"):
+        for key in ("nll", "kl", "lost", "first4_mass"):
             np.testing.assert_array_equal(got.per_token[key], alone.per_token[key])
         np.testing.assert_array_equal(got.attention_by_key, alone.attention_by_key)
     assert (shared.computed, shared.read) == (1, 2)

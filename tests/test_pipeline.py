@@ -65,7 +65,9 @@ def test_run_writes_its_files_and_resumes(outputs: Path):
     doc = (REPO_ROOT / "docs" / "results.md").read_text()
     layers = pd.read_parquet(d / "layers.parquet")
     emitted = set(metrics) | set(frame) | set(layers["metric"]) | set(info)
-    undocumented = {k for k in emitted if f"`{k}`" not in doc and not k.startswith(("lost_l", "sink_mass_l"))}
+    undocumented = {
+        k for k in emitted if f"`{k}`" not in doc and not k.startswith(("lost_l", "first4_mass_l"))
+    }
     assert not undocumented, f"not in docs/results.md: {sorted(undocumented)}"
     mtime = (d / "metrics.json").stat().st_mtime_ns
     again = run_mod.run(cfg_for(outputs, "strategy=h2o", "budget=b16", "logger=none"))
@@ -299,7 +301,7 @@ def test_a_run_past_the_reference_cap_records_its_metrics_as_absent_and_still_dr
         assert m["full_reference_len"] == 40 and m["ppl_full"] > 1 and 0 <= m["agreement"] <= 1
         pt = pd.read_parquet(run_mod.run_dir(cfg) / "per_token.parquet")
         covered = pt["position"] <= 40
-        for col in ("nll_full", "kl", "agree", "lost_mean", "sink_mass_mean"):
+        for col in ("nll_full", "kl", "agree", "lost_mean", "first4_mass_mean"):
             assert pt.loc[covered, col].notna().all() and pt.loc[~covered, col].isna().all(), (strategy, col)
         assert pt["nll"].notna().all()
     sweep = outputs / "runs" / "adhoc"

@@ -246,7 +246,7 @@ def test_a_reference_shorter_than_the_stream_leaves_nan_after_it(setup):
         spec = StreamSpec(force_loop=force_loop, block=8)
         out = stream(model, tokens, make_policy(name), 10, spec, reference=short)
         assert not out.nll.isnan().any()
-        for x in (out.kl, out.agree, out.lost, out.sink_mass):
+        for x in (out.kl, out.agree, out.lost, out.first4_mass):
             assert not x[:, :20].isnan().any() and x[:, 20:].isnan().all(), name
 
 

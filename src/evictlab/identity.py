@@ -35,7 +35,7 @@ def is_done(path: Path) -> bool:
         m = read_json(path / R.METRICS)
     except (OSError, ValueError):
         return False
-    if m.get("status") != "ok" or m.get("run_format") != R.RUN_FORMAT:
+    if m.get("status") != "ok" or m.get("run_format") not in R.DONE_FORMATS:
         return False
     if (why := R.unreadable(path)) is not None:
         log.warning("redoing %s: %s", path, why)

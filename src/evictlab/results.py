@@ -11,12 +11,19 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-RUN_FORMAT = 4  # the layout of a run folder; a finished run of an older format is redone in place
+RUN_FORMAT = 5  # the layout of a run folder
+# 5: one name per quantity: the full cache's attention on positions 0-3 is `first4_mass` (was `sink_mass`)
 # 4: metrics name the weights they measured (weights_sha256)
-# the formats aggregation reads: the same files with the same meaning (3 lacks weights_sha256 only); an
-# older one is listed as stale
-SAME_MEANING = (3, 4)
 # 3: per-layer / per-head values in layers.parquet (not `name[i]` metrics); policy facts as identity columns
+# the formats aggregation reads: the same files with the same meaning once `current_names` has renamed
+# them (3 lacks weights_sha256 only); an older one is listed as stale
+SAME_MEANING = (3, 4, 5)
+# a finished run of these formats is done (not redone: 4's files differ from 5's in names only); an older
+# one is redone in place
+DONE_FORMATS = (4, 5)
+# names that changed, old -> current (docs/results.md "Renamed"): per-token columns (with their _mean and
+# _l{i} forms), layers metrics and scalar metrics
+RENAMED = {"sink_mass": "first4_mass"}
 KEY_VERSION = 2  # hashed into run keys: bumped only when the same config would produce other numbers
 
 # ---- files of one run folder: outputs/runs/<group>/<strategy>-<budget>-<key>/
@@ -92,10 +99,29 @@ def table_path(folder: Path, name: str) -> Path:
     return folder / f"{name}.parquet"
 
 
+def current_names(frame: pd.DataFrame) -> pd.DataFrame:
+    """A table or run file of any format in SAME_MEANING under the current names (`RENAMED`): columns
+    (`sink_mass_mean` -> `first4_mass_mean`) and the values of a `metric` column."""
+
+    def new(name: str) -> str:
+        for old, cur in RENAMED.items():
+            if name == old or name.startswith(old + "_"):
+                return cur + name[len(old) :]
+        return name
+
+    frame = frame.rename(columns={c: new(c) for c in frame.columns if isinstance(c, str) and new(c) != c})
+    if "metric" in frame and frame["metric"].isin(RENAMED.keys()).any():
+        frame = frame.assign(metric=frame["metric"].replace(RENAMED))
+    return frame
+
+
 def read_tables(folder: Path) -> dict[str, pd.DataFrame]:
-    """The aggregated tables of a sweep folder or snapshot (an empty frame for each one that is absent)."""
+    """The aggregated tables of a sweep folder or snapshot (an empty frame for each one that is absent),
+    under the current names."""
     return {
-        t: pd.read_parquet(table_path(folder, t)) if table_path(folder, t).exists() else pd.DataFrame()
+        t: current_names(pd.read_parquet(table_path(folder, t)))
+        if table_path(folder, t).exists()
+        else pd.DataFrame()
         for t in TABLES
     }
 

@@ -68,7 +68,7 @@ def load_run(d: Path) -> tuple[dict[str, Any] | None, dict[str, Any], pd.DataFra
         and metrics.get("run_format") in R.SAME_MEANING
         and R.unreadable(d) is None
     ):
-        per_token = pd.read_parquet(d / R.PER_TOKEN)
+        per_token = R.current_names(pd.read_parquet(d / R.PER_TOKEN))
     return metrics, cfg, per_token
 
 
@@ -149,7 +149,7 @@ def aggregate(sweeps: list[Path], out: Path | None = None) -> dict[str, pd.DataF
         rows["curves"] += curves
         for name, file in (("layers", R.LAYERS), ("recall", R.RECALL), ("attention", R.ATTENTION)):
             if (d / file).exists() and (name != "attention" or not metrics.get("evicts")):  # full cache only
-                frames[name].append(pd.read_parquet(d / file).assign(**base))
+                frames[name].append(R.current_names(pd.read_parquet(d / file)).assign(**base))
     tables = {name: pd.DataFrame(r) for name, r in rows.items()}
     tables |= {name: pd.concat(f, ignore_index=True) if f else pd.DataFrame() for name, f in frames.items()}
     tables["failures"] = pd.DataFrame(failures, columns=R.FAILURE_COLUMNS)

@@ -345,9 +345,9 @@ def throughput(runs: pd.DataFrame) -> Figure:
     return fig
 
 
-def sink_mass(layers: pd.DataFrame) -> Figure:
+def first4_mass(layers: pd.DataFrame) -> Figure:
     """Full-cache attention on the first 4 positions, per layer (are there attention sinks?)."""
-    vals = layer_values(layers, "sink_mass").groupby("layer")["value"].mean()
+    vals = layer_values(layers, "first4_mass").groupby("layer")["value"].mean()
     fig, ax = plt.subplots(figsize=(5.2, 3.6))
     ax.bar([f"L{int(layer)}" for layer in vals.index], 100 * vals.to_numpy(), color="0.4")
     ax.set_ylabel("% attention on positions 0-3")
@@ -823,7 +823,7 @@ FIGURES: dict[str, FigureSpec] = {
     "nll_vs_position": FigureSpec(_on("curves", nll_vs_position), _evicting_budgets, _middle_budget),
     "quality_vs_memory": FigureSpec(_on("runs", quality_vs_memory), _has("runs", "kv_bytes"), _mode_arg),
     "throughput": FigureSpec(_on("runs", throughput), _has("runs", "token_steps_per_s")),
-    "sink_mass": FigureSpec(_on("layers", sink_mass), _has("layers", metric="sink_mass")),
+    "first4_mass": FigureSpec(_on("layers", first4_mass), _has("layers", metric="first4_mass")),
     "recall_heatmaps": FigureSpec(_on("recall", recall_heatmaps), _has("recall"), _mode_arg),
     "attention_heatmap": FigureSpec(_on("attention", attention_heatmap), _has("attention")),
     "position_modes": FigureSpec(_on("streams", position_modes), _two_modes),

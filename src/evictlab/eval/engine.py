@@ -54,7 +54,7 @@ class StreamOutput:
     kl: torch.Tensor | None = None  # [B, n] KL(p_full || p_policy)
     agree: torch.Tensor | None = None  # [B, n] top-1 agreement with the full cache
     lost: torch.Tensor | None = None  # [B, n, L] full-cache attention on entries the policy does not hold
-    sink_mass: torch.Tensor | None = None  # [B, n, L] (full-cache attention on the first positions)
+    first4_mass: torch.Tensor | None = None  # [B, n, L] full-cache attention on positions 0-3
     block: int = 0  # Plan.block
     seconds: float = 0.0
     policy_seconds: float = 0.0  # time inside policy scoring and victim selection
@@ -188,12 +188,12 @@ def stream(
     start = time.perf_counter()
     out = RUNNERS[p.path](model, tokens, policy, p, reference, doc, spec)
     seconds = time.perf_counter() - start
-    sink_mass = None
+    first4_mass = None
     if reference is not None and reference.attention is not None:  # NaN past the steps the reference covers
-        sink = reference.attention.sink
-        sink_mass = sink.new_full((B, T - 1, sink.shape[-1]), float("nan"))
-        sink_mass[:, : sink.shape[1]] = sink
-    return replace(out, block=p.block, seconds=seconds, sink_mass=sink_mass)
+        first4 = reference.attention.first4
+        first4_mass = first4.new_full((B, T - 1, first4.shape[-1]), float("nan"))
+        first4_mass[:, : first4.shape[1]] = first4
+    return replace(out, block=p.block, seconds=seconds, first4_mass=first4_mass)
 
 
 @torch.no_grad()

@@ -24,7 +24,7 @@ from evictlab.eval.static import full_logp
 from evictlab.models.gpt import GPT
 from evictlab.perf import peak_rss_bytes
 
-PER_TOKEN = ("nll", "correct", "kl", "agree", "lost", "sink_mass")  # StreamOutput fields kept per token
+PER_TOKEN = ("nll", "correct", "kl", "agree", "lost", "first4_mass")  # StreamOutput fields kept per token
 
 
 def kv_bytes(model: GPT, policy: Policy, budget: int, stream_len: int, spec: StreamSpec = DEFAULT) -> int:
@@ -162,10 +162,10 @@ def summarize(model, policy, budget, spec, tokens, b: Batches, per_token) -> dic
 
 def layer_table(b: Batches, per_token: dict[str, np.ndarray]) -> pd.DataFrame:
     """Tidy per-layer values (head <NA>) and per-head ones: each layer's budget, the attention it lost, the
-    full cache's attention on the first positions (sink_mass, per layer) and on position 0 (per head)."""
+    full cache's attention on positions 0-3 (first4_mass, per layer) and on position 0 (per head)."""
     budgets = b.outs[0].budgets
     rows = [{"layer": l, "head": None, "metric": "budget", "value": float(x)} for l, x in enumerate(budgets)]
-    for name, metric in (("lost", "attention_lost"), ("sink_mass", "sink_mass")):
+    for name, metric in (("lost", "attention_lost"), ("first4_mass", "first4_mass")):
         if name in per_token:
             by_layer = np.nanmean(per_token[name], axis=(0, 1))
             rows += [

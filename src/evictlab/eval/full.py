@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from evictlab.models.gpt import GPT, CausalSelfAttention
 from evictlab.models.rope import Rope
 
-N_SINK_DIAG = 4  # "sink" positions for the attention-mass diagnostic
+N_FIRST = 4  # the first positions whose full-cache attention `first4_mass` measures
 ROW_BYTES = 256 << 20  # attention rows a reference computes (and keeps) at once, summed over its layers
 
 
@@ -46,15 +46,22 @@ class FullAttention:
     the held keys' scores and the log normaliser; the oracle's future attention is recomputed from the
     rows a chunk of queries at a time (one chunk kept per layer).
 
-    first [L, B, H, n]: attention on position 0; sink [B, n, L]: on the first N_SINK_DIAG positions, mean
+    first [L, B, H, n]: attention on position 0; first4 [B, n, L]: on the first N_FIRST positions, mean
     over heads; by_key_sum [L, n]: attention each key receives, summed over documents, heads and queries;
     lse [L, B, H, n]: each query's log normaliser (logsumexp of its scores), so the full cache's attention
     on any set of keys is a sum over that set alone (`held_mass`: attention lost costs O(budget) per
     query, not O(n)). q, k (None when only the summaries were asked for): per layer [B, H, n, D] and
     [B, Hkv, n, D]."""
 
-    def __init__(self, first, sink, by_key_sum, lse, q=None, k=None):
-        self.first, self.sink, self.by_key_sum, self.lse, self.q, self.k = first, sink, by_key_sum, lse, q, k
+    def __init__(self, first, first4, by_key_sum, lse, q=None, k=None):
+        self.first, self.first4, self.by_key_sum, self.lse, self.q, self.k = (
+            first,
+            first4,
+            by_key_sum,
+            lse,
+            q,
+            k,
+        )
         L, B, H, n = first.shape
         self.n, self.chunk = n, row_chunk(L, B, H, n)
         self._rows: dict[int, tuple[int, torch.Tensor]] = {}  # layer -> (chunk start, its rows)
@@ -139,7 +146,7 @@ class FullAttention:
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """Everything this holds, by name (for eval/shared.py's store; `from_tensors` reads it back)."""
-        out = {"first": self.first, "sink": self.sink, "by_key_sum": self.by_key_sum, "lse": self.lse}
+        out = {"first": self.first, "first4": self.first4, "by_key_sum": self.by_key_sum, "lse": self.lse}
         for l in range(len(self.q or [])):
             out[f"q{l}"], out[f"k{l}"] = self.q[l], self.k[l]
         return out
@@ -149,7 +156,7 @@ class FullAttention:
         L = t["first"].shape[0]
         q = [t[f"q{l}"] for l in range(L)] if "q0" in t else None
         k = [t[f"k{l}"] for l in range(L)] if "k0" in t else None
-        return cls(t["first"], t["sink"], t["by_key_sum"], t["lse"], q, k)
+        return cls(t["first"], t["first4"], t["by_key_sum"], t["lse"], q, k)
 
 
 @dataclass
@@ -189,14 +196,14 @@ class _ChunkedExplicit:
 
     def __init__(self, pos: torch.Tensor, L: int, rows: bool, rope: Rope):
         self.pos, self.keep_rows, self.L, self.rope = pos, rows, L, rope
-        self.first, self.sink, self.by_key, self.lse, self.q, self.k = [], [], [], [], [], []
+        self.first, self.first4, self.by_key, self.lse, self.q, self.k = [], [], [], [], [], []
 
     def __call__(self, l: int, a: CausalSelfAttention, h: torch.Tensor) -> torch.Tensor:
         q, k, v = a.project(h)
         q, k = self.rope(q, self.pos), self.rope(a.smear(k), self.pos)
         B, H, n, D = q.shape
         Hkv = k.shape[1]
-        first, sink, by_key, lse = (
+        first, first4, by_key, lse = (
             q.new_empty(B, H, n),
             q.new_empty(B, n),
             q.new_zeros(n),
@@ -209,10 +216,10 @@ class _ChunkedExplicit:
             w, lse[:, :, s:e] = causal_weights(q[:, :, s:e], k[:, :, :e], s)  # [B, H, m, e], [B, H, m]
             y[:, :, s:e] = (w.reshape(B, Hkv, -1, e) @ v[:, :, :e]).view(B, H, e - s, D)
             first[:, :, s:e] = w[..., 0]
-            sink[:, s:e] = w[..., :N_SINK_DIAG].sum(-1).mean(1)
+            first4[:, s:e] = w[..., :N_FIRST].sum(-1).mean(1)
             by_key[:e] += w.sum(dim=(0, 1, 2))
         self.first.append(first)
-        self.sink.append(sink)
+        self.first4.append(first4)
         self.by_key.append(by_key)
         self.lse.append(lse)
         if self.keep_rows:
@@ -222,8 +229,12 @@ class _ChunkedExplicit:
 
     def attention(self) -> FullAttention:
         rows = (self.q, self.k) if self.keep_rows else (None, None)
-        first, sink, by_key = torch.stack(self.first), torch.stack(self.sink, -1), torch.stack(self.by_key)
-        return FullAttention(first, sink, by_key, torch.stack(self.lse), *rows)
+        first, first4, by_key = (
+            torch.stack(self.first),
+            torch.stack(self.first4, -1),
+            torch.stack(self.by_key),
+        )
+        return FullAttention(first, first4, by_key, torch.stack(self.lse), *rows)
 
 
 def _rope(model: GPT, tokens: torch.Tensor) -> Rope:
