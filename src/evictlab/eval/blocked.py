@@ -18,10 +18,9 @@ from __future__ import annotations
 import torch
 
 from evictlab.cache.policies import Policy
-from evictlab.eval.full import FullReference
+from evictlab.eval.full import FullReference, Recorder
 from evictlab.eval.loop import TokenLoop
 from evictlab.eval.spec import PositionMode
-from evictlab.eval.static import Recorder
 from evictlab.models.gpt import GPT, CausalSelfAttention
 
 

@@ -7,7 +7,8 @@ cache), so a block's attention is O(block x (block + budget)) and memory stays f
 for bounded policies (O(T) keys for the full cache, O(T^2) compute, as it must be). A stream no longer
 than one block is one forward with a keep mask, exactly as before.
 
-`Recorder` turns each block's logits into per-token metrics at once, so no [B, T, V] tensor is held.
+Each block's logits become per-token metrics at once (`eval/full.py: Recorder`), so no [B, T, V] tensor is
+held.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from evictlab.eval.caches import BandCache
-from evictlab.eval.full import FullReference, token_metrics
+from evictlab.eval.full import Recorder
 from evictlab.models.gpt import GPT, CausalSelfAttention
 from evictlab.models.rope import Rope
 
@@ -83,52 +84,6 @@ class _BandAttention:
         bias = torch.zeros(B, H, b, K.shape[2], dtype=q.dtype, device=q.device)
         bias[..., :ns] = fix
         return bias.masked_fill_(~mask, float("-inf"))
-
-
-class Recorder:
-    """Per-token metrics of a static path, block by block: nll and correct for every position, KL and
-    agreement where the full-cache reference covers it (NaN beyond), attention lost where its attention
-    does."""
-
-    def __init__(
-        self, tgt: torch.Tensor, windows: list[tuple[int, int | None]] | None, ref: FullReference | None
-    ):
-        self.tgt, self.windows, self.ref = tgt, windows, ref
-        self.covered = 0 if ref is None else ref.logp.shape[1]  # the reference covers steps < covered
-        self.out: dict[str, torch.Tensor] = {}
-
-    def _write(self, name: str, s: int, value: torch.Tensor) -> None:
-        if name not in self.out:  # NaN where a block never writes (beyond the reference)
-            shape = (*self.tgt.shape, *value.shape[2:])
-            self.out[name] = value.new_full(shape, float("nan"))
-        self.out[name][:, s : s + value.shape[1]] = value
-
-    def add(self, s: int, logits: torch.Tensor) -> None:
-        """Record the block of predictions for steps s .. s + logits.shape[1] - 1."""
-        logp = F.log_softmax(logits, dim=-1)
-        e = s + logp.shape[1]
-        for name, value in token_metrics(logp, self.tgt[:, s:e], None).items():
-            self._write(name, s, value)
-        if self.ref is None or s >= self.covered:
-            return
-        c = min(e, self.covered)
-        m = token_metrics(logp[:, : c - s], self.tgt[:, s:c], self.ref.logp[:, s:c])
-        self._write("kl", s, m["kl"])
-        self._write("agree", s, m["agree"])
-        attention = self.ref.attention
-        if attention is not None and attention.has_rows and self.windows is not None:  # (blocked: its own)
-            self._write("lost", s, self.lost(s, c))
-
-    def lost(self, s: int, c: int) -> torch.Tensor:
-        """[B, c-s, L]: the full-cache attention of steps s .. c-1 on keys outside each layer's window (from
-        the keys the window holds alone, a chunk of steps at a time: eval/full.py `window_mass`)."""
-        attention = self.ref.attention
-        out = attention.lse.new_empty(self.tgt.shape[0], c - s, len(self.windows))
-        for l, window in enumerate(self.windows):
-            for a in range(s, c, attention.chunk):
-                b = min(c, a + attention.chunk)
-                out[:, a - s : b - s, l] = 1 - attention.window_mass(l, a, b, window).mean(1)
-        return out
 
 
 @torch.no_grad()
