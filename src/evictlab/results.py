@@ -110,8 +110,10 @@ def current_names(frame: pd.DataFrame) -> pd.DataFrame:
         return name
 
     frame = frame.rename(columns={c: new(c) for c in frame.columns if isinstance(c, str) and new(c) != c})
-    if "metric" in frame and frame["metric"].isin(RENAMED.keys()).any():
-        frame = frame.assign(metric=frame["metric"].replace(RENAMED))
+    if "metric" in frame:  # the same rule for a metric's name as for a column's
+        renamed = {m: new(m) for m in frame["metric"].dropna().unique() if new(m) != m}
+        if renamed:
+            frame = frame.assign(metric=frame["metric"].replace(renamed))
     return frame
 
 

@@ -54,14 +54,8 @@ class FullAttention:
     [B, Hkv, n, D]."""
 
     def __init__(self, first, first4, by_key_sum, lse, q=None, k=None):
-        self.first, self.first4, self.by_key_sum, self.lse, self.q, self.k = (
-            first,
-            first4,
-            by_key_sum,
-            lse,
-            q,
-            k,
-        )
+        self.first, self.first4, self.by_key_sum, self.lse = first, first4, by_key_sum, lse
+        self.q, self.k = q, k
         L, B, H, n = first.shape
         self.n, self.chunk = n, row_chunk(L, B, H, n)
         self._rows: dict[int, tuple[int, torch.Tensor]] = {}  # layer -> (chunk start, its rows)
@@ -275,16 +269,8 @@ class _ChunkedExplicit:
 
     def attention(self) -> FullAttention:
         rows = (self.q, self.k) if self.keep_rows else (None, None)
-        first, first4, by_key = (
-            torch.stack(self.first),
-            torch.stack(self.first4, -1),
-            torch.stack(self.by_key),
-        )
-        return FullAttention(first, first4, by_key, torch.stack(self.lse), *rows)
-
-
-def _rope(model: GPT, tokens: torch.Tensor) -> Rope:
-    return Rope(model.cfg, torch.empty(0, dtype=model.wte.weight.dtype, device=tokens.device))
+        first, first4 = torch.stack(self.first), torch.stack(self.first4, -1)
+        return FullAttention(first, first4, torch.stack(self.by_key), torch.stack(self.lse), *rows)
 
 
 @torch.no_grad()
@@ -295,7 +281,9 @@ def full_reference(
     the summaries, and with `rows` the queries and keys its rows are recomputed from)."""
     inp = tokens[:, :-1]
     pos = torch.arange(inp.shape[1], device=tokens.device)
-    attend = _ChunkedExplicit(pos, model.cfg.n_layer, rows and attention, _rope(model, tokens))
+    attend = _ChunkedExplicit(
+        pos, model.cfg.n_layer, rows and attention, Rope.for_model(model, tokens.device)
+    )
     logp = F.log_softmax(model.forward_with(inp, pos, attend), dim=-1)
     return FullReference(logp=logp, attention=attend.attention() if attention else None)
 
@@ -305,6 +293,6 @@ def attention_summary(model: GPT, tokens: torch.Tensor) -> FullAttention:
     """The full cache's attention summaries over tokens [B, n] (no rows, and the head only at the last
     position: no [B, n, vocab] logits), for metrics of the model itself (eval/sinks.py)."""
     pos = torch.arange(tokens.shape[1], device=tokens.device)
-    attend = _ChunkedExplicit(pos, model.cfg.n_layer, rows=False, rope=_rope(model, tokens))
+    attend = _ChunkedExplicit(pos, model.cfg.n_layer, rows=False, rope=Rope.for_model(model, tokens.device))
     model.forward_with(tokens, pos, attend, last_only=True)
     return attend.attention()

@@ -30,9 +30,8 @@ from evictlab.eval.spec import StreamSpec
 from evictlab.models.gpt import GPT
 from evictlab.store import file_lock, stable_hash, write_atomic
 
-STORE_FORMAT = (
-    4  # 4: `sink` stored as `first4`; 3: FullAttention with its log normalisers (2: without; 1 rows)
-)
+# 4: `sink` stored as `first4`; 3: FullAttention with its log normalisers (2: without; 1: the rows)
+STORE_FORMAT = 4
 MAX_BYTES = 8 << 30  # larger entries are computed by each run, not stored (log-probs: B x n x vocab floats)
 
 
@@ -92,13 +91,8 @@ class SharedReferences:
             return None
         names = {"logp"}
         if layers:
-            names |= {
-                "first",
-                "first4",
-                "by_key_sum",
-                "lse",
-                *(f"{x}{l}" for l in range(layers) for x in "qk"),
-            }
+            rows = {f"{x}{l}" for l in range(layers) for x in "qk"}
+            names |= {"first", "first4", "by_key_sum", "lse", *rows}
         if set(stored) != names or tuple(stored["logp"].shape[:2]) != shape:
             return None
         return stored  # (written atomically: a file that loads is whole; no pass over its gigabytes)

@@ -102,8 +102,8 @@ def stream_static(
     inp, tgt = tokens[:, :-1], tokens[:, 1:]
     n = inp.shape[1]
     rec = Recorder(tgt, windows, ref)
-    like = torch.empty(0, dtype=model.wte.weight.dtype, device=tokens.device)
-    attend = _BandAttention([BandCache(*w) for w in windows], Rope(model.cfg, like), cache_mode, ablate)
+    caches, rope = [BandCache(*w) for w in windows], Rope.for_model(model, tokens.device)
+    attend = _BandAttention(caches, rope, cache_mode, ablate)
     for s in range(0, n, block):
         e = min(n, s + block)
         attend.pos, attend.next_start = torch.arange(s, e, device=tokens.device), e
@@ -157,8 +157,8 @@ def full_logp(model: GPT, tokens: torch.Tensor, block: int) -> torch.Tensor:
     [T, T] attention matrix is ever built (compute O(T^2), memory O(T))."""
     inp = tokens[:, :-1]
     n = inp.shape[1]
-    like = torch.empty(0, dtype=model.wte.weight.dtype, device=tokens.device)
-    attend = _BandAttention([BandCache(0, None) for _ in range(model.cfg.n_layer)], Rope(model.cfg, like))
+    caches = [BandCache(0, None) for _ in range(model.cfg.n_layer)]
+    attend = _BandAttention(caches, Rope.for_model(model, tokens.device))
     out = None  # filled block by block: the peak is one [B, n, V] array, not the blocks plus their join
     for s in range(0, n, block):
         e = min(n, s + block)

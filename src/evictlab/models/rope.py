@@ -57,6 +57,11 @@ class Rope:
         self.start, self.cos, self.sin = 0, self.rank_cos, self.rank_sin
         self.scratch = torch.empty(0, dtype=self.rank_cis.dtype if complex_ok else like.dtype)
 
+    @classmethod
+    def for_model(cls, model, device: torch.device, slots: int = 1) -> Rope:
+        """The tables of `model` (a GPT) in its weights' dtype on `device`."""
+        return cls(model.cfg, torch.empty(0, dtype=model.wte.weight.dtype, device=device), slots)
+
     def _table(self, start: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self._angles(torch.arange(start, start + n, device=self.like.device))
 
@@ -74,21 +79,23 @@ class Rope:
     def rows(self, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [*pos.shape, R/2] of text positions pos (any shape), from the current chunk's table,
         moved to the chunk that holds the lowest position when pos leaves it."""
-        lo, hi = int(pos.min()), int(pos.max())
+        self._cover(int(pos.min()), int(pos.max()))
+        idx = pos - self.start
+        return self.cos[idx], self.sin[idx]
+
+    def _cover(self, lo: int, hi: int) -> None:
+        """Make the text-position table hold positions lo .. hi: unchanged when it does, else a table
+        from the chunk boundary at or below lo, at least `chunk` rows long."""
         if not (self.start <= lo and hi < self.start + len(self.cos)):
             self.start = lo - lo % self.chunk
             self.cos, self.sin = self._table(self.start, max(self.chunk, hi + 1 - self.start))
-        idx = pos - self.start
-        return self.cos[idx], self.sin[idx]
 
     def at(self, t: int | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The rows of text position t (a 0-dim tensor t is computed in place: the same values)."""
         if isinstance(t, torch.Tensor):
             cos, sin = self._angles(t.view(1))
             return cos[0], sin[0]
-        if not self.start <= t < self.start + len(self.cos):
-            self.start = t - t % self.chunk
-            self.cos, self.sin = self._table(self.start, self.chunk)
+        self._cover(t, t)
         return self.cos[t - self.start], self.sin[t - self.start]
 
     def ranks(self, r: torch.Tensor | int) -> tuple[torch.Tensor, torch.Tensor]:
