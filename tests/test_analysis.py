@@ -130,6 +130,29 @@ def test_a_format_4_run_reads_under_the_current_names_and_stays_done(sweep: Path
     assert R.current_names(pd.DataFrame({"sink_mass_l3": [1.0]})).columns.tolist() == ["first4_mass_l3"]
 
 
+def test_a_renamed_config_key_merges_with_its_current_name():
+    """Scissorhands' `recent` became `n_recent` (l2norm's name for the same count): a table holding both
+    columns reads as one, and h2o's `recent_fraction` (another quantity) is left as it is."""
+    from evictlab import results as R
+
+    old = pd.DataFrame(
+        {
+            "strategy": ["scissorhands", "l2norm", "h2o"],
+            "cfg.strategy.params.recent": [4.0, np.nan, np.nan],
+            "cfg.strategy.params.n_recent": [np.nan, 0.0, np.nan],
+            "cfg.strategy.params.recent_fraction": [np.nan, np.nan, 0.5],
+        }
+    )
+    now = R.current_names(old)
+    assert sorted(now.columns) == sorted(
+        ["strategy", "cfg.strategy.params.n_recent", "cfg.strategy.params.recent_fraction"]
+    )
+    assert now["cfg.strategy.params.n_recent"].tolist()[:2] == [4.0, 0.0]
+    assert now["cfg.strategy.params.recent_fraction"].tolist()[2] == 0.5
+    alone = R.current_names(old[["strategy", "cfg.strategy.params.recent"]].iloc[:1])
+    assert alone.columns.tolist() == ["strategy", "cfg.strategy.params.n_recent"]
+
+
 def test_bootstrap_ci_contains_the_point():
     rng = np.random.default_rng(0)
     for n in (2, 5, 40):

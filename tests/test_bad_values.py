@@ -31,7 +31,7 @@ BAD = [
     (["strategy=scissorhands", "strategy.params.threshold=inf"], ["strategy.params.threshold", "inf"]),
     (["strategy=scissorhands", "strategy.params.threshold=0"], ["strategy.params.threshold", "0"]),
     (["strategy=scissorhands", "strategy.params.history_window=4.5"], ["params.history_window", "4.5"]),
-    (["strategy=scissorhands", "strategy.params.recent=-2"], ["strategy.params.recent", "-2"]),
+    (["strategy=scissorhands", "strategy.params.n_recent=-2"], ["strategy.params.n_recent", "-2"]),
     (["strategy=h2o", "strategy.params.recent_fraction=abc"], ["strategy.params.recent_fraction", "'abc'"]),
     (["strategy=h2o", "strategy.params.recent_fraction=1.5"], ["strategy.params.recent_fraction", "1.5"]),
     (["strategy=random", "strategy.params.seed=-1"], ["strategy.params.seed", "-1"]),

@@ -378,7 +378,7 @@ def test_scissorhands_count_is_its_window_recounted():
     over: after every step (slots reset as the engine resets them on a write) the count equals a recount
     of the last history_window steps' verdicts from the attention rows themselves."""
     torch.manual_seed(0)
-    policy = make_policy("scissorhands", history_window=3, threshold=1.0, recent=0)
+    policy = make_policy("scissorhands", history_window=3, threshold=1.0, n_recent=0)
     B, Hkv, S, steps = 2, 2, 5, 40
     state = policy.init_state(B, Hkv, S, torch.empty(0, dtype=torch.float64))
     pos = torch.full((B, Hkv, S), -1)

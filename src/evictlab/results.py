@@ -24,6 +24,9 @@ DONE_FORMATS = (4, 5)
 # names that changed, old -> current (docs/results.md "Renamed"): per-token columns (with their _mean and
 # _l{i} forms), layers metrics and scalar metrics
 RENAMED = {"sink_mass": "first4_mass"}
+# config keys that changed, old -> current, as flattened `cfg.*` columns (exact names: `recent` is not a
+# prefix of h2o's `recent_fraction`); a config key's rename changes the run keys of the runs that use it
+RENAMED_KEYS = {"cfg.strategy.params.recent": "cfg.strategy.params.n_recent"}  # scissorhands
 KEY_VERSION = 2  # hashed into run keys: bumped only when the same config would produce other numbers
 
 # ---- files of one run folder: outputs/runs/<group>/<strategy>-<budget>-<key>/
@@ -100,8 +103,10 @@ def table_path(folder: Path, name: str) -> Path:
 
 
 def current_names(frame: pd.DataFrame) -> pd.DataFrame:
-    """A table or run file of any format in SAME_MEANING under the current names (`RENAMED`): columns
-    (`sink_mass_mean` -> `first4_mass_mean`) and the values of a `metric` column."""
+    """A table or run file of any format in SAME_MEANING under the current names (`RENAMED`, `RENAMED_KEYS`):
+    columns (`sink_mass_mean` -> `first4_mass_mean`) and the values of a `metric` column. Where the old and
+    the current name are both columns (one policy's parameter under its old name, another's under the
+    current one), they become one."""
 
     def new(name: str) -> str:
         for old, cur in RENAMED.items():
@@ -109,6 +114,10 @@ def current_names(frame: pd.DataFrame) -> pd.DataFrame:
                 return cur + name[len(old) :]
         return name
 
+    for old, cur in RENAMED_KEYS.items():
+        if old in frame:
+            merged = frame[old] if cur not in frame else frame[cur].where(frame[cur].notna(), frame[old])
+            frame = frame.drop(columns=[old]).assign(**{cur: merged})
     frame = frame.rename(columns={c: new(c) for c in frame.columns if isinstance(c, str) and new(c) != c})
     if "metric" in frame:  # the same rule for a metric's name as for a column's
         renamed = {m: new(m) for m in frame["metric"].dropna().unique() if new(m) != m}

@@ -134,8 +134,8 @@ class Policy:
 
     # ---- the static path (position-static policies only) ------------------------------------------
     def static_window(self, budget: int) -> tuple[int, int | None] | None:
-        """For policies whose kept set depends only on positions: (n_sink, recent), meaning query i
-        attends to keys j <= i with j < n_sink or j >= i - recent (recent None: every earlier key).
+        """For policies whose kept set depends only on positions: (n_sink, lookback), meaning query i
+        attends to keys j <= i with j < n_sink or j >= i - lookback (lookback None: every earlier key).
         None = not position-static (use the token loop)."""
         return None
 
@@ -144,8 +144,8 @@ class Policy:
         window = self.static_window(budget)
         if window is None:
             return None
-        n_sink, recent = window
-        return recent_keep(n, n if recent is None else recent, device, n_sink=n_sink)
+        n_sink, lookback = window
+        return recent_keep(n, n if lookback is None else lookback, device, n_sink=n_sink)
 
     # ---- the token loop ------------------------------------------------------------------------------
     def init_state(self, B: int, Hkv: int, S: int, like: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -165,19 +165,19 @@ class Policy:
         raise NotImplementedError
 
 
-def recent_keep(n: int, recent: int, device: torch.device, n_sink: int = 0) -> torch.Tensor:
-    """[n, n] bool static keep mask: query i attends to keys i-recent .. i and to the first n_sink keys."""
+def recent_keep(n: int, lookback: int, device: torch.device, n_sink: int = 0) -> torch.Tensor:
+    """[n, n] bool static keep mask: query i attends to keys i-lookback .. i and to the first n_sink keys."""
     i = torch.arange(n, device=device)[:, None]
     j = torch.arange(n, device=device)[None, :]
-    return (j <= i) & ((j < n_sink) | (j >= i - recent))
+    return (j <= i) & ((j < n_sink) | (j >= i - lookback))
 
 
-def protect(scores: torch.Tensor, ctx: StepContext, n_sink: int = 0, recent: int = 0) -> torch.Tensor:
-    """Give inf to the first n_sink positions and to the `recent` newest positions (t-recent+1 .. t)."""
-    keep = ctx.pos > ctx.t - recent
+def protect(scores: torch.Tensor, ctx: StepContext, n_sink: int = 0, n_recent: int = 0) -> torch.Tensor:
+    """Give inf to the first n_sink positions and to the n_recent newest positions (t-n_recent+1 .. t)."""
+    keep = ctx.pos > ctx.t - n_recent
     if n_sink:
         keep |= ctx.pos < n_sink
-    if n_sink or not isinstance(ctx.t, int) or ctx.t - recent < -1:  # an empty slot (-1) could match
+    if n_sink or not isinstance(ctx.t, int) or ctx.t - n_recent < -1:  # an empty slot (-1) could match
         keep &= ctx.valid
     return scores.masked_fill(keep, INF)
 

@@ -43,4 +43,4 @@ class H2O(Policy):
         ctx.state["acc"] += ctx.attn
 
     def scores(self, ctx: StepContext) -> torch.Tensor:
-        return protect(ctx.state["acc"], ctx, recent=self.n_recent(ctx.budget))
+        return protect(ctx.state["acc"], ctx, n_recent=self.n_recent(ctx.budget))

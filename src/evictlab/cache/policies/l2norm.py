@@ -36,4 +36,4 @@ class L2Norm(Policy):
         return {"norm": k.norm(dim=-1)}
 
     def scores(self, ctx: StepContext) -> torch.Tensor:
-        return protect(-ctx.state["norm"], ctx, n_sink=self.n_sink, recent=self.n_recent)
+        return protect(-ctx.state["norm"], ctx, n_sink=self.n_sink, n_recent=self.n_recent)

@@ -13,25 +13,25 @@ from evictlab.errors import ConfigError
 class Scissorhands(Policy):
     """Persistence of importance (Liu et al., 2023): over the last `history_window` steps, count how
     often each entry got less attention than `threshold` x uniform (1 / entries held); evict the entry
-    that was unimportant most often. The `recent` newest entries are always kept."""
+    that was unimportant most often. The `n_recent` newest entries are always kept."""
 
     name: ClassVar[str] = "scissorhands"
     order: ClassVar[int] = 6
     needs_attention: ClassVar[bool] = True
     history_window: int = 32
     threshold: float = 1.0
-    recent: int = 4
+    n_recent: int = 4
 
     def check_params(self) -> None:
         if self.history_window < 1:
             raise ConfigError(f"strategy.params.history_window={self.history_window} must be >= 1")
         if self.threshold <= 0:
             raise ConfigError(f"strategy.params.threshold={self.threshold} must be > 0")
-        if self.recent < 0:
-            raise ConfigError(f"strategy.params.recent={self.recent} must be >= 0")
+        if self.n_recent < 0:
+            raise ConfigError(f"strategy.params.n_recent={self.n_recent} must be >= 0")
 
     def min_budget(self) -> int:
-        return self.recent + 1
+        return self.n_recent + 1
 
     def init_state(self, B: int, Hkv: int, S: int, like: torch.Tensor) -> dict[str, torch.Tensor]:
         # low: the ring buffer of the last history_window steps' verdicts; count: its sum per slot, kept
@@ -53,4 +53,4 @@ class Scissorhands(Policy):
         ring.index_copy_(-1, column, low[..., None])
 
     def scores(self, ctx: StepContext) -> torch.Tensor:
-        return protect(-ctx.state["count"].to(ctx.keys.dtype), ctx, recent=self.recent)
+        return protect(-ctx.state["count"].to(ctx.keys.dtype), ctx, n_recent=self.n_recent)
