@@ -44,7 +44,7 @@ def tokens():
         ("streaming_llm", {"n_sink": 4}, 2, "larger than strategy.params.n_sink=4"),
         ("h2o", {"recent_fraction": 0.5}, 1, "h2o split does not fit"),
         ("h2o", {"recent_fraction": 0.9}, 4, "h2o split does not fit"),
-        ("scissorhands", {"recent": 8}, 8, "needs at least 9"),
+        ("scissorhands", {"n_recent": 8}, 8, "needs at least 9"),
         ("l2norm", {"n_sink": 2, "n_recent": 2}, 4, "needs at least 5"),
     ],
 )

@@ -7,7 +7,7 @@
 * `SlotCache` (token loop, blocked path): budget + 1 preallocated slots per document and KV head, each
   with the policy's state. `update` writes one entry into the slot the last eviction freed (`scatter_`,
   nothing copied); `evict` empties the policy's victim per document and head, or nothing.
-* `BandCache` (parallel path: static windows, the full cache): the sinks and the last `recent` positions,
+* `BandCache` (parallel path: static windows, the full cache): the sinks and the last `lookback` positions,
   one contiguous run for all documents and heads. `update` appends a block of entries; `evict` drops
   whatever no later block reaches.
 * `_NaiveCache` (eval/naive.py, the naive loop): growing tensors at batch 1. `update` is a
@@ -24,12 +24,12 @@ import torch
 
 class BandCache:
     """One layer's keys and values that later queries can still reach: positions < n_sink and the last
-    `recent` positions (all of them when recent is None), contiguous and shared by every document and head
+    `lookback` positions (all of them when lookback is None), contiguous and shared by every document and head
     (a position-static window keeps the same positions for all). Keys are stored rotated at their
     positions."""
 
-    def __init__(self, n_sink: int, recent: int | None):
-        self.n_sink, self.recent = n_sink, recent
+    def __init__(self, n_sink: int, lookback: int | None):
+        self.n_sink, self.lookback = n_sink, lookback
         self.k = self.v = self.pos = None
         self.last_raw = None  # the raw key of the last position seen (for smeared keys)
 
@@ -45,17 +45,17 @@ class BandCache:
 
     def evict(self, next_start: int) -> None:
         """Keep only what queries from position next_start on can reach."""
-        if self.recent is None:
+        if self.lookback is None:
             return
-        reach = (self.pos < self.n_sink) | (self.pos >= next_start - self.recent)
+        reach = (self.pos < self.n_sink) | (self.pos >= next_start - self.lookback)
         self.k, self.v, self.pos = self.k[:, :, reach], self.v[:, :, reach], self.pos[reach]
 
     def visible(self, qpos: torch.Tensor, kpos: torch.Tensor) -> torch.Tensor:
         """[b, m] bool: query at qpos[i] attends to the key at kpos[j]."""
         causal = kpos[None, :] <= qpos[:, None]
-        if self.recent is None:
+        if self.lookback is None:
             return causal
-        return causal & ((kpos[None, :] < self.n_sink) | (kpos[None, :] >= qpos[:, None] - self.recent))
+        return causal & ((kpos[None, :] < self.n_sink) | (kpos[None, :] >= qpos[:, None] - self.lookback))
 
 
 class SlotCache:

@@ -87,7 +87,7 @@ def plan(policy: Policy, budget: int, spec: StreamSpec, n_layer: int, T: int) ->
                 f"{policy.name} runs on the parallel path only: unset eval.force_loop/eval.compile"
             )
     if windows[0] is not None and not spec.force_loop:
-        bounded = all(recent is not None for _, recent in windows)
+        bounded = all(lookback is not None for _, lookback in windows)
         # the full cache's blocks grow with the stream: each block re-reads every earlier key
         block = BLOCK_STEPS if bounded else max(BLOCK_STEPS, T // 16)
         return Plan("parallel", budgets, min(spec.block, block))

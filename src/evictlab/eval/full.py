@@ -83,17 +83,17 @@ class FullAttention:
 
     def window_mass(self, l: int, s: int, e: int, window: tuple[int, int | None]) -> torch.Tensor:
         """[B, H, e-s]: the full-cache attention of the queries s .. e-1 in layer l on the keys a static
-        window keeps (the first n_sink positions and the last `recent` before each query; all when recent
+        window keeps (the first n_sink positions and the last `lookback` before each query; all when lookback
         is None), from the keys it can reach alone."""
-        n_sink, recent = window
-        lo = 0 if recent is None else max(0, s - recent)
+        n_sink, lookback = window
+        lo = 0 if lookback is None else max(0, s - lookback)
         keys = torch.arange(lo, e, device=self.lse.device)
         if n_sink and lo > 0:
             keys = torch.cat([torch.arange(min(n_sink, lo), device=keys.device), keys])
         qpos = torch.arange(s, e, device=keys.device)
         visible = keys[None, :] <= qpos[:, None]
-        if recent is not None:
-            visible &= (keys[None, :] < n_sink) | (keys[None, :] >= qpos[:, None] - recent)
+        if lookback is not None:
+            visible &= (keys[None, :] < n_sink) | (keys[None, :] >= qpos[:, None] - lookback)
         x = scores(self.q[l][:, :, s:e], self.k[l][:, :, keys]) - self.lse[l][:, :, s:e, None]
         return x.exp_().masked_fill_(~visible, 0).sum(-1)
 

@@ -1,8 +1,8 @@
 """The static paths: policies whose kept set depends only on positions, and the re-computation baseline.
 
-A position-static policy keeps, for query i, the keys j <= i with j < n_sink or j >= i - recent
+A position-static policy keeps, for query i, the keys j <= i with j < n_sink or j >= i - lookback
 (`Policy.static_window`). The stream runs in blocks of `spec.block` queries; each layer keeps only the
-keys a later block can still reach (the sinks and the last `recent` positions; every key for the full
+keys a later block can still reach (the sinks and the last `lookback` positions; every key for the full
 cache), so a block's attention is O(block x (block + budget)) and memory stays flat in stream length
 for bounded policies (O(T) keys for the full cache, O(T^2) compute, as it must be). A stream no longer
 than one block is one forward with a keep mask, exactly as before.
@@ -27,10 +27,10 @@ class _BandAttention:
 
     In `cache` position mode a query's keys are re-indexed by rank among the held ones. The held set of a
     static window is the sinks plus a contiguous run ending at the query, so every distance inside the run
-    is its text distance, and only the sinks move: once query i holds n_sink + recent + 1 entries it sits
-    at rank n_sink + recent, so it sees sink j at distance n_sink + recent - j instead of i - j. The block
+    is its text distance, and only the sinks move: once query i holds n_sink + lookback + 1 entries it sits
+    at rank n_sink + lookback, so it sees sink j at distance n_sink + lookback - j instead of i - j. The block
     attends once at the queries' text positions, with an additive bias on the sinks' columns that turns
-    their scores into those of the query at min(i, n_sink + recent) (`sink_bias`)."""
+    their scores into those of the query at min(i, n_sink + lookback) (`sink_bias`)."""
 
     def __init__(
         self,
@@ -51,7 +51,7 @@ class _BandAttention:
         mask = cache.visible(self.pos, P)
         if self.ablate is not None and self.ablate[1][l]:
             y = self.ablated(a, qr, K, V, P, mask, self.ablate[0])
-        elif self.cache_mode and cache.n_sink and cache.recent is not None and self.rope.enabled:
+        elif self.cache_mode and cache.n_sink and cache.lookback is not None and self.rope.enabled:
             y = a.attend(qr, K, V, mask=self.sink_bias(q, qr, K, P, mask, cache))
         else:
             y = a.attend(qr, K, V, mask=mask)
@@ -76,7 +76,7 @@ class _BandAttention:
         the query at its text position is exact. (A bias rather than a second query: SDPA's fused CPU
         kernel needs equal query and value widths, and the sinks are a few columns.)"""
         ns = min(cache.n_sink, P.shape[0])  # the sinks are held from the first block on
-        qs = self.rope(q, self.pos.clamp(max=cache.n_sink + cache.recent))  # the query as the sinks see it
+        qs = self.rope(q, self.pos.clamp(max=cache.n_sink + cache.lookback))  # the query as the sinks see it
         B, H, b, D = q.shape
         Hkv = K.shape[1]
         dq = (qs - qr).view(B, Hkv, (H // Hkv) * b, D)  # each KV head's query heads as rows of one GEMM
@@ -114,8 +114,8 @@ def stream_static(
 def recompute_windows(inp: torch.Tensor, W: int, first: int, last: int, n_sink: int = 0) -> torch.Tensor:
     """The windows of steps t = first .. last-1 (t >= W) of inp [B, n]: tokens [B * (last-first), W], step t
     seeing tokens 0 .. n_sink-1 and then t-(W-n_sink)+1 .. t."""
-    recent = W - n_sink
-    rows = inp[:, first - recent + 1 : last].unfold(1, recent, 1)  # [B, steps, recent]
+    n_recent = W - n_sink
+    rows = inp[:, first - n_recent + 1 : last].unfold(1, n_recent, 1)  # [B, steps, n_recent]
     if n_sink:
         sinks = inp[:, None, :n_sink].expand(-1, rows.shape[1], -1)
         rows = torch.cat([sinks, rows], dim=2)
