@@ -185,7 +185,8 @@ def _arm_tables():
         sinks = {"n_sink": 1, "first_sink": int(arm == "sink_text")} if name == "streaming_llm" else {}
         for c in range(3):
             key = f"{arm}-{layer}-{c}"
-            row = {"run_key": key, "strategy": name, "cfg.arm": arm, "cfg.strategy.params.layer": layer}
+            row = {"run_key": key, "strategy": name, "cfg.arm": arm, "cfg.strategy.params.layer": layer,
+                   "checkpoint": f"gpt_small-{c}", "cfg.train.seed": c, "cfg.train.steps": 4000}  # fmt: skip
             results.append(row | {f"cfg.strategy.params.{k}": v for k, v in sinks.items()})
             evicts = name not in ("full", "bos_ablation")
             d = 0.0 if arm == "none" else shift[arm] * (1 + 0.1 * c) / (1 if layer < 0 else 2 + layer)
@@ -219,6 +220,8 @@ def test_the_ablations_figure_draws_every_arm_with_hierarchical_cis():
         want = np.exp(np.mean([shift * (1 + 0.1 * c) for c in range(3)]))  # mean over trainings
         np.testing.assert_allclose(points[labels.index(F.ARMS[arm])], want, rtol=2e-3)
     assert len(layer_ax.get_lines()) >= 2  # bos_key per layer, and its all-layers level
+    legend = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert {"training seed=0", "training seed=1", "training seed=2"} <= set(legend)  # one marker each
     plt.close(fig)
 
 

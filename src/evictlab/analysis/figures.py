@@ -32,11 +32,13 @@ from evictlab.analysis.stats import (  # noqa: E402
     run_settings,
     subject_caption,
     summarize_streams,
+    training_labels,
     variants,
 )
 from evictlab.results import position_buckets  # noqa: E402
 
 _PALETTE = sns.color_palette("tab10", 10)
+_TRAINING_MARKERS = ("x", "+", "1", "^", "s", "v")  # one per training run of a group (ablations)
 
 
 class Policies(PolicyOrder):
@@ -438,6 +440,7 @@ def ablations(streams: pd.DataFrame, results: pd.DataFrame) -> Figure:
     modes = sorted(whole["position_mode"].unique(), key=lambda m: m != "original")
     r = summarize_streams(whole, "delta", np.exp, keys=("arm", "position_mode"))
     per_run = whole.groupby(["arm", "position_mode", "checkpoint"])["delta"].mean().map(np.exp)
+    named = training_labels(results)  # checkpoint -> its training's distinguishing settings
     arms = sorted(r["arm"].unique(), key=lambda a: (list(ARMS).index(a) if a in ARMS else len(ARMS), a))
     fig, axes = plt.subplots(
         1, 2 if len(by_layer) else 1, figsize=(11.5 if len(by_layer) else 7.4, 0.42 * len(arms) + 1.9),
@@ -454,10 +457,13 @@ def ablations(streams: pd.DataFrame, results: pd.DataFrame) -> Figure:
             color=color, label=f"{mode} positions, mean [95% CI]",
         )  # fmt: skip
         runs = per_run.xs(mode, level="position_mode")
-        ax.scatter(
-            runs.to_numpy(), [arms.index(a) + offset for a in runs.index.get_level_values("arm")],
-            marker="x", s=22, color="0.3", lw=1, zorder=3, label="one training run" if k == 0 else None,
-        )  # fmt: skip
+        for j, (checkpoint, one) in enumerate(runs.groupby(level="checkpoint")):
+            name = f"training {named[checkpoint]}" if len(named) > 1 else "one training run"
+            ax.scatter(
+                one.to_numpy(), [arms.index(a) + offset for a in one.index.get_level_values("arm")],
+                marker=_TRAINING_MARKERS[j % len(_TRAINING_MARKERS)], s=24, color="0.3", lw=1, zorder=3,
+                label=name if k == 0 else None,
+            )  # fmt: skip
     ax.axvline(1.0, color="k", lw=0.8, ls=":", label="full cache")
     ax.set_yticks(range(len(arms)))
     ax.set_yticklabels([ARMS.get(a, a) for a in arms])

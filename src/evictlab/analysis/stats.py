@@ -178,6 +178,22 @@ def eviction_ratios(streams: pd.DataFrame) -> pd.DataFrame:
 MODEL_LABELS = {"smollm2_135m": "SmolLM2-135M-Instruct (Q4_1, dequantised)"}
 
 
+def training_labels(results: pd.DataFrame) -> pd.Series:
+    """checkpoint -> what tells a group's trainings apart: the training settings (`cfg.train.*`) that vary
+    between its checkpoints ("seed=1, threads=2"); the checkpoint's name where none does."""
+    if "checkpoint" not in results:
+        return pd.Series(dtype=object)
+    runs = results.drop_duplicates("checkpoint").set_index("checkpoint")
+    cols = [c for c in runs if c.startswith("cfg.train.") and runs[c].astype(str).nunique() > 1]
+    return pd.Series(
+        {
+            ck: ", ".join(f"{c[len('cfg.train.') :]}={row[c]}" for c in cols) or ck
+            for ck, row in runs.iterrows()
+        },
+        dtype=object,
+    )
+
+
 def subject_caption(frame: pd.DataFrame) -> str:
     """What a figure's numbers are of, for its title: model(s), corpus and the number of independent
     streams (seed x stream units), e.g. "gpt_small on pydoc_topics, 16 streams"."""
