@@ -27,10 +27,20 @@ def _yaml(path) -> dict:
     return yaml.safe_load(path.read_text()) or {}
 
 
+def sweep_params(experiment: str) -> dict:
+    """The experiment's hydra.sweeper.params, those of the experiments it lists in its defaults first (an
+    experiment may extend another: subject_ablations_threads2 is subject_ablations at 2 threads)."""
+    conf = _yaml(CONF_DIR / "experiment" / f"{experiment}.yaml")
+    params: dict = {}
+    for entry in conf.get("defaults", []):
+        if isinstance(entry, str) and entry != "_self_":  # a sibling experiment, not a group override
+            params |= sweep_params(entry)
+    return params | conf.get("hydra", {}).get("sweeper", {}).get("params", {})
+
+
 def grid(experiment: str) -> list[list[str]]:
     """Every point of the experiment's sweep grid as a list of overrides (Hydra's own sweep syntax)."""
-    params = _yaml(CONF_DIR / "experiment" / f"{experiment}.yaml").get("hydra", {}).get("sweeper", {})
-    params = params.get("params", {})
+    params = sweep_params(experiment)
     parser = OverridesParser.create()
     axes = []
     for key, value in params.items():

@@ -40,10 +40,28 @@ def test_snapshots_are_real_sweeps():
         assert set(res["group"]) == {spec["experiment"]}
         strategies = set()
         for exp in paper.experiments(spec):
-            swept = {o.removeprefix("strategy=") for p in grid(exp) for o in p if o.startswith("strategy=")}
-            strategies |= swept or {base_strategy(exp)}  # a grid that sweeps no policy runs its own one
+            strategies |= {strategy_of(point, exp) for point in grid(exp)}
         assert set(res["strategy"]) == strategies
         assert res["run_key"].str.fullmatch(r"[0-9a-f]{16}").all()
+
+
+def strategy_of(point: list[str], experiment: str) -> str:
+    """The policy a grid point runs: its `strategy=`, else the one its `arm=` selects (conf/arm/), else the
+    experiment's own."""
+    import yaml
+
+    for o in point:
+        if o.startswith("strategy="):
+            return o.removeprefix("strategy=")
+    for o in point:
+        if o.startswith("arm="):
+            arm = yaml.safe_load(
+                (paper.REPO_ROOT / "conf" / "arm" / f"{o.removeprefix('arm=')}.yaml").read_text()
+            )
+            for entry in arm.get("defaults", []):
+                if isinstance(entry, dict) and "override /strategy" in entry:
+                    return entry["override /strategy"]
+    return base_strategy(experiment)
 
 
 def base_strategy(experiment: str) -> str:

@@ -38,7 +38,7 @@ from evictlab.analysis.stats import (  # noqa: E402
 from evictlab.results import position_buckets  # noqa: E402
 
 _PALETTE = sns.color_palette("tab10", 10)
-_TRAINING_MARKERS = ("x", "+", "1", "^", "s", "v")  # one per training run of a group (ablations)
+_TRAINING_MARKERS = ("x", "^", "s", "v", "D", "P")  # one per training run of a group (ablations)
 
 
 class Policies(PolicyOrder):
@@ -498,7 +498,8 @@ def ablations(streams: pd.DataFrame, results: pd.DataFrame) -> Figure:
         ax2.set_xlabel("layer ablated (one at a time)")
         ax2.set_ylabel("perplexity / full-cache perplexity")
         ax2.set_title("BOS ablated in one layer", fontsize=10)
-        ax2.legend(fontsize=8, frameon=False, loc="best")
+        # below the panel: the per-layer values and both "every layer" levels fill its height
+        ax2.legend(fontsize=8, frameon=False, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2)
     fig.tight_layout()
     return fig
 
