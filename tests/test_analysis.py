@@ -658,3 +658,36 @@ def test_sink_trend_reaches_the_sink_threshold_and_labels_its_reference_lines():
     assert "sink head (Gu et al.: 30%)" in [ln.get_label() for ln in top.get_lines()]
     assert "full cache" in [ln.get_label() for ln in bottom.get_lines()]
     assert fig._suptitle.get_text().startswith("Does a sink grow")
+
+
+def test_pooled_position_buckets_hold_enough_tokens_and_keep_the_mean():
+    """nll_vs_position pools the first log-spaced buckets (one position each) until each holds >= 16
+    positions: the token-weighted mean of each stream's curve is unchanged and streams stay apart."""
+    from evictlab.results import position_buckets
+
+    edges = position_buckets(4096)
+    start, end = edges[:-1], edges[1:]
+    rng = np.random.default_rng(0)
+    rows = [
+        {"stream": k, "position": np.sqrt(s * e), "position_start": s, "nll": v}
+        for k in range(2)
+        for s, e, v in zip(start, end, rng.normal(2 + k, 1, len(start)), strict=True)
+    ]
+    frame = pd.DataFrame(rows)
+    pooled = S.pool_buckets(frame, "nll", 16)
+    assert len(pooled) < len(frame) and set(pooled["stream"]) == {0, 1}
+    for k, g in pooled.groupby("stream"):
+        g = g.sort_values("position_start")
+        width = np.diff([*g["position_start"], end[-1]])
+        assert (width[:-1] >= 16).all()  # every pooled bucket but the last holds >= 16 positions
+        raw = frame[frame["stream"] == k]
+        w = (end - start).astype(float)
+        want = (raw["nll"].to_numpy() * w).sum() / w.sum()
+        got = (g["nll"].to_numpy() * width).sum() / width.sum()
+        np.testing.assert_allclose(got, want, rtol=1e-12)
+        np.testing.assert_allclose(
+            g["position"], np.sqrt(g["position_start"] * [*g["position_start"][1:], end[-1]])
+        )
+    assert S.pool_buckets(frame.drop(columns="position_start"), "nll", 16).equals(
+        frame.drop(columns="position_start")
+    )

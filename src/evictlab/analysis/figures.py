@@ -27,6 +27,7 @@ from evictlab.analysis.stats import (  # noqa: E402
     first_position_mass,
     is_reference,
     layer_values,
+    pool_buckets,
     reference,
     run_labels,
     run_settings,
@@ -223,6 +224,7 @@ def nll_vs_position(
     stream_len: int | None = None,
     context_label: str = "training context",
     smooth: int = 3,
+    min_tokens: int = 16,
 ) -> Figure:
     """Mean NLL by token position (log x) per policy at one budget: StreamingLLM's Figure 3. `context`: the
     model's training context, marked (past it the full cache attends beyond the positions it was
@@ -231,7 +233,9 @@ def nll_vs_position(
     Without a full-cache run, the full cache is drawn from the runs' reference (`nll_full`).
     `stream_len`: only the runs of that stream length (a group can hold streams of several lengths).
     `smooth`: each stream's curve is a centred mean over this many neighbouring log-spaced position
-    buckets (1: none); the title states it."""
+    buckets (1: none); `min_tokens`: the first buckets, one position each on a log axis, are pooled until
+    each holds this many (`stats.pool_buckets`); the title states both. Policies differ in line style and
+    marker as well as colour (lines that coincide stay visible)."""
     P = Policies(curves)
     at = (curves["budget"] == budget) | is_reference(curves)
     if stream_len is not None:
@@ -250,7 +254,10 @@ def nll_vs_position(
     for name, g, col, label in lines:
         g = g.dropna(subset=[col])
         keys = ["position", "stream"] if "stream" in g else ["position"]
+        if "position_start" in g:
+            keys.append("position_start")
         per_stream = g.groupby(keys, as_index=False)[col].mean()  # seeds and runs pooled
+        per_stream = pool_buckets(per_stream, col, min_tokens)
         if smooth > 1:  # each stream's curve (rows in position order): a centred mean over `smooth` buckets
 
             def rolled(v: pd.Series) -> pd.Series:
@@ -261,9 +268,13 @@ def nll_vs_position(
                 per_stream.groupby("stream")[col].transform(rolled) if by_stream else rolled(per_stream[col])
             )
         mean = per_stream.groupby("position")[col].agg(["mean", "min", "max"]).reset_index()
-        ls = "--" if P.is_reference(name) or col == "nll_full" else "-"
+        reference = P.is_reference(name) or col == "nll_full"
         color = P.color(name) if col == "nll" else "0.2"
-        ax.plot(mean["position"], mean["mean"], color=color, label=label, ls=ls)
+        ax.plot(
+            mean["position"], mean["mean"], color=color, label=label, lw=2.0 if reference else 1.5,
+            ls="-" if reference else P.linestyle(name), marker=None if reference else P.marker(name), ms=3.5,
+            markevery=(P.order.get(name, 0) % 4, 4),
+        )  # fmt: skip
         if "stream" in g and g["stream"].nunique() > 1:
             ax.fill_between(mean["position"], mean["min"], mean["max"], color=color, alpha=0.15, lw=0)
     ax.axvline(budget, color="0.5", lw=0.8, ls=":", label=f"cache budget ({budget:,})")
@@ -271,6 +282,8 @@ def nll_vs_position(
         ax.axvline(context, color="k", lw=1.0, ls="-.", label=f"{context_label} ({context:,})")
     ax.set_xscale("log")
     how = f"\neach curve smoothed over {smooth} log-spaced position buckets" if smooth > 1 else ""
+    if min_tokens > 1 and "position_start" in c:
+        how += f"{',' if how else chr(10)} each of >= {min_tokens} positions"
     band = "; band: lowest to highest stream" if "stream" in c and c["stream"].nunique() > 1 else ""
     title = f"NLL by position, budget {budget} ({mode} positions)\n{subject_caption(c)}{how}{band}"
     return _finish(fig, ax, "token position in the stream", "NLL [nats]", title)

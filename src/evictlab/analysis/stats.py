@@ -178,6 +178,36 @@ def eviction_ratios(streams: pd.DataFrame) -> pd.DataFrame:
 MODEL_LABELS = {"smollm2_135m": "SmolLM2-135M-Instruct (Q4_1, dequantised)"}
 
 
+def pool_buckets(frame: pd.DataFrame, col: str, min_tokens: int) -> pd.DataFrame:
+    """A curve's log-spaced position buckets (`position` = sqrt(start x end), `position_start`) pooled from
+    the start until each holds >= min_tokens positions, so no point of a curve is one or two tokens' noise
+    (the first buckets of a log axis hold one position each). Values are means weighted by positions held;
+    a `stream` column, when present, is kept apart. Frames without `position_start` are returned as is."""
+    if min_tokens <= 1 or "position_start" not in frame or frame.empty:
+        return frame
+    buckets = frame[["position_start", "position"]].drop_duplicates().sort_values("position_start")
+    start = buckets["position_start"].to_numpy(float)
+    end = buckets["position"].to_numpy(float) ** 2 / np.maximum(start, 1e-9)  # sqrt(start x end) = position
+    group, held, gid = [], 0.0, 0
+    for s_, e_ in zip(start, end, strict=True):
+        group.append(gid)
+        held += e_ - s_
+        if held >= min_tokens:
+            gid, held = gid + 1, 0.0
+    g = pd.Series(group, index=start)
+    lo = pd.Series(start, index=group).groupby(level=0).min()
+    hi = pd.Series(end, index=group).groupby(level=0).max()
+    keys = ["stream"] if "stream" in frame else []
+    f = frame.assign(_g=frame["position_start"].map(g), _w=frame["position"] ** 2 / frame["position_start"])
+    f["_w"] = f["_w"] - f["position_start"]
+    f["_x"] = f[col] * f["_w"]
+    out = f.groupby([*keys, "_g"], as_index=False)[["_x", "_w"]].sum()
+    out[col] = out["_x"] / out["_w"]
+    out["position_start"] = out["_g"].map(lo)
+    out["position"] = np.sqrt(out["position_start"] * out["_g"].map(hi))
+    return out[[*keys, "position", "position_start", col]]
+
+
 def training_labels(results: pd.DataFrame) -> pd.Series:
     """checkpoint -> what tells a group's trainings apart: the training settings (`cfg.train.*`) that vary
     between its checkpoints ("seed=1, threads=2"); the checkpoint's name where none does."""
