@@ -116,7 +116,7 @@ def current_names(frame: pd.DataFrame) -> pd.DataFrame:
 
     for old, cur in RENAMED_KEYS.items():
         if old in frame:
-            merged = frame[old] if cur not in frame else frame[cur].where(frame[cur].notna(), frame[old])
+            merged = frame[cur].combine_first(frame[old]) if cur in frame else frame[old]
             frame = frame.drop(columns=[old]).assign(**{cur: merged})
     frame = frame.rename(columns={c: new(c) for c in frame.columns if isinstance(c, str) and new(c) != c})
     if "metric" in frame:  # the same rule for a metric's name as for a column's

@@ -187,22 +187,21 @@ def pool_buckets(frame: pd.DataFrame, col: str, min_tokens: int) -> pd.DataFrame
         return frame
     buckets = frame[["position_start", "position"]].drop_duplicates().sort_values("position_start")
     start = buckets["position_start"].to_numpy(float)
-    end = buckets["position"].to_numpy(float) ** 2 / np.maximum(start, 1e-9)  # sqrt(start x end) = position
+    width = buckets["position"].to_numpy(float) ** 2 / np.maximum(start, 1e-9) - start  # sqrt(start x end)
     group, held, gid = [], 0.0, 0
-    for s_, e_ in zip(start, end, strict=True):
+    for w in width:
         group.append(gid)
-        held += e_ - s_
+        held += w
         if held >= min_tokens:
             gid, held = gid + 1, 0.0
-    g = pd.Series(group, index=start)
-    lo = pd.Series(start, index=group).groupby(level=0).min()
-    hi = pd.Series(end, index=group).groupby(level=0).max()
+    by_start = pd.DataFrame({"_g": group, "_w": width}, index=start)
     keys = ["stream"] if "stream" in frame else []
-    f = frame.assign(_g=frame["position_start"].map(g), _w=frame["position"] ** 2 / frame["position_start"])
-    f["_w"] = f["_w"] - f["position_start"]
+    f = frame.join(by_start, on="position_start")
     f["_x"] = f[col] * f["_w"]
     out = f.groupby([*keys, "_g"], as_index=False)[["_x", "_w"]].sum()
     out[col] = out["_x"] / out["_w"]
+    lo = pd.Series(start, index=group).groupby(level=0).min()
+    hi = pd.Series(start + width, index=group).groupby(level=0).max()
     out["position_start"] = out["_g"].map(lo)
     out["position"] = np.sqrt(out["position_start"] * out["_g"].map(hi))
     return out[[*keys, "position", "position_start", col]]
