@@ -92,6 +92,14 @@ def test_a_recall_run_records_accuracy_by_depth(tmp_path):
     assert "recall_heatmaps" in F.draw_all(tables)
     with pytest.raises(ConfigError, match="recall_depths"):
         cfg_for(tmp_path / "outputs", "eval.task=recall", "eval.recall_depths=[1.5]")
+    # without greedy decoding: the same teacher-forced numbers, no greedy column, another run key
+    quick = cfg_for(tmp_path / "outputs", *overrides, "eval.recall_greedy=false")
+    assert run_mod.run_dir(quick) != run_mod.run_dir(cfg)
+    q = run_mod.run(quick)
+    fast = pd.read_parquet(run_mod.run_dir(quick) / "recall.parquet")
+    assert "exact_greedy" in rec and "exact_greedy" not in fast and "recall_exact_greedy" not in q
+    pd.testing.assert_frame_equal(fast, rec.drop(columns="exact_greedy"))
+    assert q["recall_exact_teacher_forced"] == m["recall_exact_teacher_forced"]
 
 
 def test_dataset_recall_trains_with_pass_keys_and_evaluates_recall(tmp_path):

@@ -230,6 +230,11 @@ class EvalConfig:
     task: EvalTask = EvalTask.lm
     recall_depths: list[float] = field(default_factory=lambda: [0.1, 0.3, 0.5, 0.7, 0.9])
     recall_per_depth: int = 4  # streams per depth (task=recall; eval.n_streams is ignored)
+    # also decode each answer greedily under the policy (exact_greedy). For a causal policy it equals the
+    # teacher-forced exact match by construction (the same tokens in give the same cache and the same
+    # argmax until the first wrong token; tests/test_recall.py checks it), and it re-streams every prompt
+    # through the token loop, which on SmolLM2 took twice the evaluation itself: false skips it
+    recall_greedy: bool = field(default=True, metadata=neutral(True))
 
     def __post_init__(self) -> None:
         if self.n_streams < 1:

@@ -190,7 +190,8 @@ class RunStages:
         )
         with clock("tasks"):
             if recall is not None:
-                metrics |= self.recall_metrics(recall_accuracy(model, recall, policy, budget, spec, res))
+                rec = recall_accuracy(model, recall, policy, budget, spec, res, self.cfg.eval.recall_greedy)
+                metrics |= self.recall_metrics(rec)
             generations = None
             if self.cfg.eval.generate_tokens and not policy.needs_future:  # a non-causal one cannot generate
                 generations, extra = self.generation(model, tokens, corpus)

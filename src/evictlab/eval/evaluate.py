@@ -253,11 +253,12 @@ def recall_accuracy(
     budget: int,
     spec: StreamSpec = DEFAULT,
     result: EvalResult | None = None,
+    greedy: bool = True,
 ) -> pd.DataFrame:
     """Per recall stream (data/recall.py): teacher-forced accuracy on the answer tokens, exact match
     teacher-forced and by greedy decoding under the policy, and the stream's perplexity. `result`: an
     `evaluate` of these streams already made. One row per stream; a policy that cannot generate (it
-    needs the full-cache run's future) gets no greedy column."""
+    needs the full-cache run's future), or greedy=False, gets no greedy column."""
     if result is None:
         result = evaluate(model, batch.tokens, policy, budget, dataclasses.replace(spec, diagnostics=False))
     mask = batch.answer.numpy()
@@ -273,6 +274,6 @@ def recall_accuracy(
             "ppl": np.exp(nll.mean(axis=1)),
         }
     )
-    if not policy.needs_future:
+    if greedy and not policy.needs_future:
         frame["exact_greedy"] = _greedy_exact(model, batch, policy, budget, spec)
     return frame
