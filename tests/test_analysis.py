@@ -570,7 +570,29 @@ def test_nll_vs_position_draws_a_band_across_streams_and_the_reference_without_a
     bands = [c for c in ax.collections if c.get_paths()]
     assert len(bands) == 3  # one per line: the reference and two policies
     lo, hi = bands[1].get_paths()[0].vertices[:, 1].min(), bands[1].get_paths()[0].vertices[:, 1].max()
-    assert np.isclose(lo, 2.5) and np.isclose(hi, 2.9)  # streaming_llm: streams 0..2 span 2.5..2.9
+    assert 2.5 <= lo < 2.7 < hi <= 2.9  # streaming_llm: the CI of the mean of streams at 2.5, 2.7, 2.9
+    assert "95% CI of the mean over streams" in ax.get_title()
+
+
+def test_curve_band_is_a_bootstrap_ci_of_the_mean_over_streams():
+    rng = np.random.default_rng(0)
+    values = rng.normal(3.0, 1.0, size=(64, 2))  # 64 streams x 2 positions
+    values[32:, 1] = np.nan  # half the streams end before the second position
+    frame = pd.DataFrame(
+        [
+            {"stream": s, "position": p, "nll": values[s, i]}
+            for s in range(64)
+            for i, p in enumerate((5.0, 50.0))
+        ]
+    ).dropna()
+    band = S.curve_band(frame, "nll")
+    assert list(band["n"]) == [64, 32] and np.allclose(band["mean"], np.nanmean(values, axis=0))
+    half = (band["high"] - band["low"]) / 2
+    expected = 1.96 * np.nanstd(values, axis=0, ddof=1) / np.sqrt([64, 32])  # the normal-theory width
+    assert np.allclose(half, expected, rtol=0.2)
+    assert (band["low"] < band["mean"]).all() and (band["mean"] < band["high"]).all()
+    one = S.curve_band(frame[frame["stream"] == 0], "nll")  # one stream: no band
+    assert (one["low"] == one["mean"]).all() and (one["high"] == one["mean"]).all()
 
 
 def test_the_figure_style_is_scoped():

@@ -21,6 +21,7 @@ from matplotlib.figure import Figure  # noqa: E402
 
 from evictlab.analysis.stats import (  # noqa: E402
     PolicyOrder,
+    curve_band,
     evicting,
     eviction_arms,
     eviction_ratios,
@@ -228,8 +229,8 @@ def nll_vs_position(
 ) -> Figure:
     """Mean NLL by token position (log x) per policy at one budget: StreamingLLM's Figure 3. `context`: the
     model's training context, marked (past it the full cache attends beyond the positions it was
-    trained on); a line stops where its run's stream (or the full-cache reference's cap) ends; a band spans
-    the streams (lowest to highest stream mean in each position bucket) where the curves keep them apart.
+    trained on); a line stops where its run's stream (or the full-cache reference's cap) ends; a band is the
+    95% bootstrap CI of the mean over streams (`stats.curve_band`) where the curves keep streams apart.
     Without a full-cache run, the full cache is drawn from the runs' reference (`nll_full`).
     `stream_len`: only the runs of that stream length (a group can hold streams of several lengths).
     `smooth`: each stream's curve is a centred mean over this many neighbouring log-spaced position
@@ -267,7 +268,9 @@ def nll_vs_position(
             per_stream[col] = (
                 per_stream.groupby("stream")[col].transform(rolled) if by_stream else rolled(per_stream[col])
             )
-        mean = per_stream.groupby("position")[col].agg(["mean", "min", "max"]).reset_index()
+        if "stream" not in per_stream:
+            per_stream = per_stream.assign(stream=0)
+        mean = curve_band(per_stream, col)
         reference = P.is_reference(name) or col == "nll_full"
         color = P.color(name) if col == "nll" else "0.2"
         ax.plot(
@@ -276,16 +279,17 @@ def nll_vs_position(
             markevery=(P.order.get(name, 0) % 4, 4),
         )  # fmt: skip
         if "stream" in g and g["stream"].nunique() > 1:
-            ax.fill_between(mean["position"], mean["min"], mean["max"], color=color, alpha=0.15, lw=0)
+            ax.fill_between(mean["position"], mean["low"], mean["high"], color=color, alpha=0.15, lw=0)
     ax.axvline(budget, color="0.5", lw=0.8, ls=":", label=f"cache budget ({budget:,})")
     if context is not None:
         ax.axvline(context, color="k", lw=1.0, ls="-.", label=f"{context_label} ({context:,})")
     ax.set_xscale("log")
-    how = f"\neach curve smoothed over {smooth} log-spaced position buckets" if smooth > 1 else ""
+    how = f"\nsmoothed over {smooth} log-spaced buckets" if smooth > 1 else ""
     if min_tokens > 1 and "position_start" in c:
-        how += f"{',' if how else chr(10)} each of >= {min_tokens} positions"
-    band = "; band: lowest to highest stream" if "stream" in c and c["stream"].nunique() > 1 else ""
-    title = f"NLL by position, budget {budget} ({mode} positions)\n{subject_caption(c)}{how}{band}"
+        how += f"{' ' if how else chr(10)}of >= {min_tokens} positions"
+    if "stream" in c and c["stream"].nunique() > 1:
+        how += "\nband: 95% CI of the mean over streams"
+    title = f"NLL by position, budget {budget} ({mode} positions)\n{subject_caption(c)}{how}"
     return _finish(fig, ax, "token position in the stream", "NLL [nats]", title)
 
 

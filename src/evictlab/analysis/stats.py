@@ -4,6 +4,8 @@ they are tested and used without drawing. Confidence intervals: 95% bootstrap ov
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import pandas as pd
 
@@ -205,6 +207,31 @@ def pool_buckets(frame: pd.DataFrame, col: str, min_tokens: int) -> pd.DataFrame
     out["position_start"] = out["_g"].map(lo)
     out["position"] = np.sqrt(out["position_start"] * out["_g"].map(hi))
     return out[[*keys, "position", "position_start", col]]
+
+
+def curve_band(
+    frame: pd.DataFrame, col: str, level: float = 0.95, n_boot: int = 1000, seed: int = 0
+) -> pd.DataFrame:
+    """Per position of a per-stream curve (`stream`, `position`, col): the mean over streams and a
+    bootstrap CI of that mean with streams as the resampled units (one resample for every position, so
+    the band is a band of curves); `n` streams reach the position. Where fewer than two do, the band is
+    the mean itself."""
+    m = frame.pivot_table(index="stream", columns="position", values=col, aggfunc="mean")
+    x = m.to_numpy(float)  # [streams, positions], NaN where a stream ends before the position
+    n = np.isfinite(x).sum(axis=0)
+    mean = np.nanmean(x, axis=0)
+    low, high = mean.copy(), mean.copy()
+    if len(x) > 1:
+        idx = np.random.default_rng(seed).integers(0, len(x), size=(n_boot, len(x)))
+        with warnings.catch_warnings():  # a resample may hold no stream that reaches a late position
+            warnings.simplefilter("ignore", RuntimeWarning)
+            boots = np.nanmean(x[idx], axis=1)  # [n_boot, positions]
+            lo, hi = np.nanquantile(boots, [(1 - level) / 2, 1 - (1 - level) / 2], axis=0)
+        ok = n > 1
+        low[ok], high[ok] = np.minimum(lo[ok], mean[ok]), np.maximum(hi[ok], mean[ok])
+    return pd.DataFrame(
+        {"position": m.columns.to_numpy(float), "mean": mean, "low": low, "high": high, "n": n}
+    )
 
 
 def training_labels(results: pd.DataFrame) -> pd.Series:
