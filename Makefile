@@ -11,7 +11,7 @@ LAUNCHER ?= local
 OUT ?= $(or $(EVICTLAB_OUTPUTS),outputs)
 
 .DEFAULT_GOAL := help
-.PHONY: help install test test-fast test-slurm lint format train run sweep smoke paper verify aggregate figures report print-config sync bench bench-long clean-cache
+.PHONY: help install test test-fast test-slurm lint format train run sweep smoke paper verify aggregate tables figures report print-config sync bench bench-long clean-cache
 
 help: ## List every target with one line each
 	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z_-]+:.*## / {printf "  make %-12s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
@@ -66,6 +66,9 @@ verify: ## Re-run a sample of a committed snapshot (one run per policy) and comp
 
 aggregate: ## Collect a sweep's runs into results.parquet (+ failures.csv): make aggregate EXP=default
 	$(PY) -m evictlab.aggregate $(OUT)/runs/$(GROUP)
+
+tables: ## Print a snapshot's cost tables as its README quotes them: make tables EXP=smollm2_quality (no EXP: all)
+	$(PY) -m evictlab.paper tables $(if $(EXP),--only $(EXP))
 
 figures: ## Redraw every paper figure from the committed snapshots in experiments/ (seconds; no training/eval)
 	$(PY) -m evictlab.paper figures

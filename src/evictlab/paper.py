@@ -3,6 +3,7 @@
     python -m evictlab.paper figures   # make figures: every experiments/<name>/ figure, from its snapshot
     python -m evictlab.paper run       # make paper: re-run each experiment's sweep, refresh, redraw
     python -m evictlab.paper verify --only NAME   # make verify EXP=NAME: does the snapshot still hold?
+    python -m evictlab.paper tables --only NAME   # make tables EXP=NAME: the cost tables its README quotes
 
 Each `experiments/<name>/` holds `figures.yaml` (which Hydra experiment produces it and which figures
 of the registry in analysis/figures.py to draw, with their arguments), a README, and `snapshot/` (the
@@ -84,7 +85,7 @@ def refresh(folder: Path, launcher: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("command", choices=["figures", "run", "verify"])
+    ap.add_argument("command", choices=["figures", "run", "verify", "tables"])
     ap.add_argument("--only", nargs="*", default=None, help="experiment folder names (default: all)")
     ap.add_argument("--launcher", default="local", help="for `run`: local | submitit_local | slurm")
     ap.add_argument("--out", type=Path, default=None, help="figure root (default outputs/figures/paper)")
@@ -97,6 +98,10 @@ def main(argv: list[str] | None = None) -> int:
     if not folders:
         print(f"error: no experiments/<name>/figures.yaml matches {args.only}", file=sys.stderr)
         return 2
+    if args.command == "tables":
+        for folder in folders:
+            print(snapshot_tables(folder))
+        return 0
     root = args.out or outputs_dir() / "figures" / "paper"
     for folder in folders:
         if args.command == "run":
@@ -104,6 +109,31 @@ def main(argv: list[str] | None = None) -> int:
         files = draw(folder, root / folder.name)
         print(f"{folder.name}: {len(files) // 2} figure(s) -> {root / folder.name}")
     return 0
+
+
+def markdown(frame: pd.DataFrame) -> str:
+    """A table as GitHub markdown, its index as the first column, numbers right-aligned."""
+    f = frame.reset_index()
+    head = "| " + " | ".join(str(c) for c in f.columns) + " |"
+    align = "| --- | " + " | ".join("---:" for _ in f.columns[1:]) + " |"
+    return "\n".join(
+        [head, align, *("| " + " | ".join(str(v) for v in r) + " |" for r in f.itertuples(index=False))]
+    )
+
+
+def snapshot_tables(folder: Path) -> str:
+    """`tables`: an experiment snapshot's cost tables (analysis/report.py: cost_table) per position mode,
+    as the markdown its README quotes."""
+    from evictlab.analysis.report import cost_table, units_line
+
+    tables = load_tables(folder / "snapshot")
+    out = [
+        f"## {folder.name}: perplexity (perplexity / full-cache perplexity [95% paired CI])",
+        units_line(tables),
+    ]
+    for mode in sorted(tables["streams"]["position_mode"].unique(), key=["original", "cache"].index):
+        out += ["", f"{mode} positions:", markdown(cost_table(tables, mode))]
+    return "\n".join(out) + "\n"
 
 
 def verify_main(args) -> int:

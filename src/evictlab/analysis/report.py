@@ -82,6 +82,53 @@ def headline_table(tables: dict[str, pd.DataFrame]) -> pd.DataFrame:
     return t.rename(columns={"n": "units (seed x stream)", "clusters": "training runs"})
 
 
+def cost_table(tables: dict[str, pd.DataFrame], mode: str = "original") -> pd.DataFrame:
+    """Per policy (rows, figure order; with a `setting` part where runs of one policy differ) x budget
+    (columns): "perplexity (perplexity / full-cache perplexity [95% CI])" in one position mode, the cost
+    paired stream by stream against the full cache as in the `cost_vs_budget` figure, its CI hierarchical
+    (training run, then stream) where the policy's runs span several checkpoints. The numbers an
+    experiment README quotes: `python -m evictlab.paper tables --only NAME` prints them."""
+    streams = tables["streams"]
+    s = S.evicting(streams[streams["position_mode"] == mode]).assign(delta=lambda d: d["nll"] - d["nll_full"])
+    keys = ["strategy", "budget"]
+    if "results" in tables and not tables["results"].empty:
+        labels = S.run_labels(tables["results"])
+        if (labels != "").any():
+            s = s.assign(setting=s["run_key"].map(labels).fillna(""))
+            keys = ["strategy", "setting", "budget"]
+    ppl = S.summarize_streams(s, "nll", np.exp, keys)
+    cost = S.summarize_streams(s, "delta", np.exp, keys)
+    cost["cell"] = [
+        f"{p:.2f} ({c:.3f} [{lo:.3f}, {hi:.3f}])"
+        for p, c, lo, hi in zip(ppl["point"], cost["point"], cost["low"], cost["high"], strict=True)
+    ]
+    P = S.PolicyOrder(streams)
+    cost["policy"] = cost["strategy"].map(P.label)
+    if "setting" in cost:
+        cost["policy"] = [
+            f"{p} ({x})" if x else p for p, x in zip(cost["policy"], cost["setting"], strict=True)
+        ]
+    cost["order"] = cost["strategy"].map(P.order)
+    t = cost.pivot_table(index=["order", "policy"], columns="budget", values="cell", aggfunc="first")
+    t.columns = [f"b{int(b)}" for b in t.columns]
+    return t.droplevel("order").fillna("-")
+
+
+def units_line(tables: dict[str, pd.DataFrame]) -> str:
+    """What every CI of a group rests on: trainings, streams per training, the full cache's perplexity."""
+    streams = tables["streams"]
+    full = S.reference(streams)
+    n_ck = streams["checkpoint"].nunique() if "checkpoint" in streams else 1
+    per = streams.groupby(["checkpoint", "run_key"]).size().max() if "checkpoint" in streams else len(streams)
+    ppl = (
+        S.summarize_streams(full.assign(all=0), "nll", np.exp, ["all"])["point"].iloc[0]
+        if len(full)
+        else None
+    )
+    what = f"{n_ck} training run(s) x {per} stream(s)" if n_ck > 1 else f"{per} stream(s)"
+    return f"CIs over {what}; full-cache perplexity {ppl:.3f}" if ppl else f"CIs over {what}"
+
+
 def shared_settings(results: pd.DataFrame) -> pd.Series:
     """The config values every run of the sweep shares and uses: a setting some runs lack (one policy's
     parameter) or that none uses (a BPE vocabulary size under the byte tokenizer; the small GPT's shape
