@@ -713,3 +713,20 @@ def test_pooled_position_buckets_hold_enough_tokens_and_keep_the_mean():
     assert S.pool_buckets(frame.drop(columns="position_start"), "nll", 16).equals(
         frame.drop(columns="position_start")
     )
+
+
+def test_mode_ratios_pair_units_within_each_training():
+    """Two trainings stream the same (seed, stream) units: each unit is paired with itself in its own
+    training (not averaged across trainings), and the CI is hierarchical over the two."""
+    rows = []
+    for ck, gap in (("a", 0.0), ("b", 0.2)):  # training b: cache mode costs 0.2 nats more on every stream
+        for stream in range(6):
+            for mode, extra in (("original", 0.0), ("cache", gap)):
+                rows.append({"strategy": "h2o", "strategy_label": "H2O", "strategy_order": 3, "evicts": True,
+                             "budget": 64, "position_mode": mode, "checkpoint": ck, "seed": 0,
+                             "stream": stream, "nll": 2.0 + 0.1 * stream + extra})  # fmt: skip
+    frame = pd.DataFrame(rows)
+    r = S.mode_ratios(frame).iloc[0]
+    assert r["clusters"] == 2 and r["n"] == 12 and np.isclose(r["point"], np.exp(0.1))
+    assert "2 trainings x 6 streams" in S.subject_caption(frame)
+    assert "trainings" not in S.subject_caption(frame[frame["checkpoint"] == "a"])

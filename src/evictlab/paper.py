@@ -124,15 +124,22 @@ def markdown(frame: pd.DataFrame) -> str:
 def snapshot_tables(folder: Path) -> str:
     """`tables`: an experiment snapshot's cost tables (analysis/report.py: cost_table) per position mode,
     as the markdown its README quotes."""
-    from evictlab.analysis.report import cost_table, units_line
+    from evictlab.analysis.report import cost_table, mode_table, units_line
 
     tables = load_tables(folder / "snapshot")
     out = [
         f"## {folder.name}: perplexity (perplexity / full-cache perplexity [95% paired CI])",
         units_line(tables),
     ]
-    for mode in sorted(tables["streams"]["position_mode"].unique(), key=["original", "cache"].index):
+    modes = sorted(tables["streams"]["position_mode"].unique(), key=["original", "cache"].index)
+    for mode in modes:
         out += ["", f"{mode} positions:", markdown(cost_table(tables, mode))]
+    if len(modes) == 2:
+        out += [
+            "",
+            "cache / original positions, paired perplexity ratio [95% CI]:",
+            markdown(mode_table(tables)),
+        ]
     return "\n".join(out) + "\n"
 
 

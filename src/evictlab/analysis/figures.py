@@ -28,6 +28,7 @@ from evictlab.analysis.stats import (  # noqa: E402
     first_position_mass,
     is_reference,
     layer_values,
+    mode_ratios,
     pool_buckets,
     reference,
     run_labels,
@@ -379,15 +380,10 @@ def first4_mass(layers: pd.DataFrame) -> Figure:
 def position_modes(streams: pd.DataFrame) -> Figure:
     """What re-indexing positions after eviction (`cache`) changes against keeping the text positions
     (`original`), per policy and budget: the paired perplexity ratio exp(mean over streams of NLL_cache -
-    NLL_original) with a 95% bootstrap CI over the (seed, stream) units both modes streamed."""
+    NLL_original) with a 95% bootstrap CI over the units both modes streamed (`stats.mode_ratios`)."""
     P = Policies(streams)
     e = evicting(streams)
-    units = [c for c in ("seed", "stream") if c in e]
-    both = e.pivot_table(index=["strategy", "budget", *units], columns="position_mode", values="nll")
-    both = both.dropna(subset=["original", "cache"]).reset_index()
-    r = summarize_streams(
-        both.assign(delta=both["cache"] - both["original"]), "delta", np.exp, ("strategy", "budget")
-    )
+    r = mode_ratios(streams)
     fig, ax = plt.subplots(figsize=(7.6, 4.2))
     for name in P.ordered(r["strategy"]):
         g = r[r["strategy"] == name].sort_values("budget")

@@ -114,6 +114,19 @@ def cost_table(tables: dict[str, pd.DataFrame], mode: str = "original") -> pd.Da
     return t.droplevel("order").fillna("-")
 
 
+def mode_table(tables: dict[str, pd.DataFrame]) -> pd.DataFrame:
+    """Per evicting policy (rows) x budget: the paired perplexity ratio cache / original positions with its
+    95% CI (`stats.mode_ratios`), as the `position_modes` figure draws it."""
+    streams = tables["streams"]
+    r = S.mode_ratios(streams)
+    P = S.PolicyOrder(streams)
+    r["cell"] = [f"{p:.3f} [{lo:.3f}, {hi:.3f}]" for p, lo, hi in r[["point", "low", "high"]].to_numpy()]
+    r["order"], r["policy"] = r["strategy"].map(P.order), r["strategy"].map(P.label)
+    t = r.pivot_table(index=["order", "policy"], columns="budget", values="cell", aggfunc="first")
+    t.columns = [f"b{int(b)}" for b in t.columns]
+    return t.droplevel("order").fillna("-")
+
+
 def units_line(tables: dict[str, pd.DataFrame]) -> str:
     """What every CI of a group rests on: trainings, streams per training, the full cache's perplexity."""
     streams = tables["streams"]

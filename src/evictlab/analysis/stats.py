@@ -175,6 +175,19 @@ def eviction_ratios(streams: pd.DataFrame) -> pd.DataFrame:
     return summarize_streams(s, "delta", np.exp, keys=("variant", "strategy", "position_mode"))
 
 
+def mode_ratios(streams: pd.DataFrame) -> pd.DataFrame:
+    """Per (strategy, budget) of the evicting policies: the paired perplexity ratio cache / original
+    positions, exp(mean over the units both modes streamed of NLL_cache - NLL_original), with its 95% CI
+    (hierarchical where the units come from several trainings: a unit is (checkpoint, seed, stream))."""
+    e = evicting(streams)
+    units = [c for c in (CLUSTER, "seed", "stream") if c in e]
+    both = e.pivot_table(index=["strategy", "budget", *units], columns="position_mode", values="nll")
+    both = both.dropna(subset=["original", "cache"]).reset_index()
+    return summarize_streams(
+        both.assign(delta=both["cache"] - both["original"]), "delta", np.exp, ("strategy", "budget")
+    )
+
+
 # display names of models whose run name is a short config name (models/gguf.py's BUNDLED labels; a test
 # holds them equal); any other model is shown by its name
 MODEL_LABELS = {"smollm2_135m": "SmolLM2-135M-Instruct (Q4_1, dequantised)"}
@@ -264,4 +277,8 @@ def subject_caption(frame: pd.DataFrame) -> str:
     elif "n_streams" in frame and frame["n_streams"].notna().any():
         n = int(frame["n_streams"].max()) * (frame["seed"].nunique() if "seed" in frame else 1)
     text = " ".join(words)
-    return text if n is None else f"{text}, {n} stream{'s' if n != 1 else ''}"
+    if n is None:
+        return text
+    trainings = frame[CLUSTER].nunique() if CLUSTER in frame else 1
+    of = f"{trainings} trainings x " if trainings > 1 else ""
+    return f"{text}, {of}{n} stream{'s' if n != 1 else ''}"
