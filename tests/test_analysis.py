@@ -730,3 +730,21 @@ def test_mode_ratios_pair_units_within_each_training():
     assert r["clusters"] == 2 and r["n"] == 12 and np.isclose(r["point"], np.exp(0.1))
     assert "2 trainings x 6 streams" in S.subject_caption(frame)
     assert "trainings" not in S.subject_caption(frame[frame["checkpoint"] == "a"])
+
+
+def test_recall_table_counts_exact_answers_by_budget_and_depth():
+    from evictlab.analysis.report import recall_table
+
+    rows = []
+    for strategy, evicts, budgets in (("full", False, [511]), ("window", True, [32, 64])):
+        for budget in budgets:
+            for depth in (0.1, 0.9):
+                for k in range(2):
+                    hit = (not evicts) or (budget == 64 and depth == 0.9 and k == 0)
+                    ident = {"strategy": strategy, "strategy_label": strategy, "strategy_order": int(evicts)}
+                    rows.append(ident | {"evicts": evicts, "budget": budget, "position_mode": "original",
+                                         "depth": depth, "exact_teacher_forced": hit})  # fmt: skip
+    t = recall_table({"recall": pd.DataFrame(rows)})
+    assert list(t.columns) == ["all", "b32", "b64"] and list(t.index) == ["full", "window"]
+    assert t.at["full", "all"] == "4/4 (2/2)" and t.at["full", "b32"] == "-"
+    assert t.at["window", "b32"] == "0/4 (0/0)" and t.at["window", "b64"] == "1/4 (0/1)"

@@ -124,7 +124,7 @@ def markdown(frame: pd.DataFrame) -> str:
 def snapshot_tables(folder: Path) -> str:
     """`tables`: an experiment snapshot's cost tables (analysis/report.py: cost_table) per position mode,
     as the markdown its README quotes."""
-    from evictlab.analysis.report import cost_table, mode_table, units_line
+    from evictlab.analysis.report import cost_table, mode_table, recall_table, units_line
 
     tables = load_tables(folder / "snapshot")
     out = [
@@ -134,6 +134,10 @@ def snapshot_tables(folder: Path) -> str:
     modes = sorted(tables["streams"]["position_mode"].unique(), key=["original", "cache"].index)
     for mode in modes:
         out += ["", f"{mode} positions:", markdown(cost_table(tables, mode))]
+    if not tables["recall"].empty:
+        depths = ", ".join(f"{d:g}" for d in sorted(tables["recall"]["depth"].unique()))
+        out += ["", f"pass-key recall, exact (teacher-forced), recalled/streams (by needle depth {depths}):"]
+        out.append(markdown(recall_table(tables)))
     if len(modes) == 2:
         out += [
             "",

@@ -127,6 +127,26 @@ def mode_table(tables: dict[str, pd.DataFrame]) -> pd.DataFrame:
     return t.droplevel("order").fillna("-")
 
 
+def recall_table(tables: dict[str, pd.DataFrame], mode: str = "original") -> pd.DataFrame:
+    """Per policy (rows) x budget: pass-key answers recalled exactly, teacher-forced (for a causal policy
+    the same as greedy decoding, tests/test_recall.py), as "recalled/streams (per needle depth, shallow to
+    deep)", e.g. "9/20 (0/0/2/3/4)"."""
+    r = tables["recall"]
+    r = r[r["position_mode"] == mode]
+    P = S.PolicyOrder(r)
+    rows = []
+    for (name, budget), g in r.groupby(["strategy", "budget"]):
+        by_depth = g.groupby("depth")["exact_teacher_forced"].sum().astype(int)
+        cell = f"{int(g['exact_teacher_forced'].sum())}/{len(g)} ({'/'.join(map(str, by_depth))})"
+        label = "all" if P.is_reference(name) else f"b{int(budget)}"
+        rows.append({"order": P.order.get(name, 100), "policy": P.label(name), "budget": label, "cell": cell})
+    t = pd.DataFrame(rows).pivot_table(
+        index=["order", "policy"], columns="budget", values="cell", aggfunc="first"
+    )
+    budgets = sorted((c for c in t.columns if c != "all"), key=lambda c: int(c[1:]))
+    return t.droplevel("order")[[c for c in ("all", *budgets) if c in t.columns]].fillna("-")
+
+
 def units_line(tables: dict[str, pd.DataFrame]) -> str:
     """What every CI of a group rests on: trainings, streams per training, the full cache's perplexity."""
     streams = tables["streams"]
