@@ -10,6 +10,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 import pytest
 
@@ -306,8 +307,19 @@ def test_a_run_past_the_reference_cap_records_its_metrics_as_absent_and_still_dr
         assert pt["nll"].notna().all()
     sweep = outputs / "runs" / "adhoc"
     aggregate([sweep], sweep)
-    figs = F.draw_all(load_tables(sweep))
+    tables = load_tables(sweep)
+    figs = F.draw_all(tables)
     assert {"ppl_vs_budget", "kl_vs_budget", "nll_vs_position"} <= set(figs)
+    # a stream's cost against the full cache compares the same predictions: those the reference covers
+    s = tables["streams"].iloc[0]
+    runs = {d.name.split("-")[0]: d for d in sweep.iterdir() if (d / "per_token.parquet").exists()}
+    pt = pd.read_parquet(runs[s["strategy"]] / "per_token.parquet")
+    mine = pt[pt["stream"] == s["stream"]]
+    assert np.isclose(s["nll_paired"], mine.loc[mine["position"] <= 40, "nll"].mean())
+    assert np.isclose(s["nll"], mine["nll"].mean()) and not np.isclose(s["nll_paired"], s["nll"])
+    from evictlab.analysis import stats as S
+
+    assert np.isclose(S.paired_delta(tables["streams"]).iloc[0], s["nll_paired"] - s["nll_full"])
 
 
 @pytest.mark.parametrize(

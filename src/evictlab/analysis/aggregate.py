@@ -117,6 +117,9 @@ def stream_and_curve_rows(base: dict[str, Any], pt: pd.DataFrame) -> tuple[list[
     """Per-stream means, and per stream x log-spaced position bucket means, of the per-token metrics."""
     cols = [c for c in R.STREAM_COLUMNS if c in pt]
     s = pt.groupby("stream")[cols].mean().reset_index()
+    if "nll_full" in pt:  # the policy's NLL over the predictions the full-cache reference covers (its cap)
+        paired = pt["nll"].where(pt["nll_full"].notna())
+        s["nll_paired"] = paired.groupby(pt["stream"]).mean().to_numpy()
     edges = R.position_buckets(int(pt["position"].max()))
     pt = pt.assign(bucket=np.searchsorted(edges, pt["position"].to_numpy(), side="right") - 1)
     c = pt.groupby(["stream", "bucket"])[cols].mean().reset_index()

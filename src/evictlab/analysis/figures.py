@@ -29,6 +29,7 @@ from evictlab.analysis.stats import (  # noqa: E402
     is_reference,
     layer_values,
     mode_ratios,
+    paired_delta,
     pool_buckets,
     reference,
     run_labels,
@@ -190,7 +191,7 @@ def cost_vs_budget(streams: pd.DataFrame, mode: str = "original", outlier: float
     whose cost exceeds `outlier` x at some budget get their own panel, so one far-off policy does not
     squash the others into one band."""
     P = Policies(streams)
-    s = evicting(streams[streams["position_mode"] == mode]).assign(delta=lambda d: d["nll"] - d["nll_full"])
+    s = evicting(streams[streams["position_mode"] == mode]).assign(delta=paired_delta)
     r = summarize_streams(s, "delta", np.exp)
     worst = r.groupby("strategy")["point"].max()
     groups = [[n for n in P.ordered(r["strategy"]) if (worst[n] > outlier) == far] for far in (False, True)]
@@ -400,7 +401,7 @@ def sinks_vs_count(streams: pd.DataFrame, results: pd.DataFrame) -> Figure:
     the full cache (paired, 95% CI over streams) against the number of initial positions kept (0: a plain
     window), one line per (stream starts with BOS or not, position mode)."""
     settings = run_settings(results, {"cfg.strategy.params.n_sink": "n_sink", "cfg.dataset.bos": "bos"})
-    s = evicting(streams).join(settings, on="run_key").assign(delta=lambda d: d["nll"] - d["nll_full"])
+    s = evicting(streams).join(settings, on="run_key").assign(delta=paired_delta)
     r = summarize_streams(s, "delta", np.exp, keys=("bos", "position_mode", "n_sink"))
     counts = sorted(int(n) for n in r["n_sink"].unique())
     x = {n: i for i, n in enumerate(counts)}
@@ -447,7 +448,7 @@ def ablations(streams: pd.DataFrame, results: pd.DataFrame) -> Figure:
     settings = run_settings(results, {"cfg.strategy.params.layer": "layer"})
     labels = run_labels(results).rename("arm")
     s = streams[~is_reference(streams)].join(labels, on="run_key").join(settings, on="run_key")
-    s = s.assign(delta=s["nll"] - s["nll_full"], layer=s.get("layer", pd.Series(-1, index=s.index)))
+    s = s.assign(delta=paired_delta(s), layer=s.get("layer", pd.Series(-1, index=s.index)))
     whole = s[s["layer"].fillna(-1).astype(int) < 0]
     by_layer = s[s["layer"].fillna(-1).astype(int) >= 0]
     modes = sorted(whole["position_mode"].unique(), key=lambda m: m != "original")

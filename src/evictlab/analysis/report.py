@@ -89,7 +89,7 @@ def cost_table(tables: dict[str, pd.DataFrame], mode: str = "original") -> pd.Da
     (training run, then stream) where the policy's runs span several checkpoints. The numbers an
     experiment README quotes: `python -m evictlab.paper tables --only NAME` prints them."""
     streams = tables["streams"]
-    s = S.evicting(streams[streams["position_mode"] == mode]).assign(delta=lambda d: d["nll"] - d["nll_full"])
+    s = S.evicting(streams[streams["position_mode"] == mode]).assign(delta=S.paired_delta)
     keys = ["strategy", "budget"]
     if "results" in tables and not tables["results"].empty:
         labels = S.run_labels(tables["results"])

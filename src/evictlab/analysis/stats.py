@@ -44,6 +44,15 @@ def is_reference(frame: pd.DataFrame) -> pd.Series:
     return ~frame["evicts"].astype(bool) & ~ablation
 
 
+def paired_delta(streams: pd.DataFrame) -> pd.Series:
+    """Per stream: NLL under the policy minus NLL under the full cache, over the same predictions. Where the
+    full-cache reference is capped (eval.full_max_len) `nll_full` covers only its first predictions, so
+    the policy's side is `nll_paired` (its NLL over those); tables from before that column have none (the
+    reference then covered every prediction, or the difference mixes spans: re-aggregate)."""
+    nll = streams["nll_paired"].fillna(streams["nll"]) if "nll_paired" in streams else streams["nll"]
+    return nll - streams["nll_full"]
+
+
 def reference(frame: pd.DataFrame) -> pd.DataFrame:
     """The rows of the full-cache reference."""
     return frame[is_reference(frame)]
@@ -171,7 +180,7 @@ def eviction_arms(streams: pd.DataFrame) -> list[tuple[str, str]]:
 def eviction_ratios(streams: pd.DataFrame) -> pd.DataFrame:
     """Per (variant, strategy, position_mode) of the evicting policies: exp(mean NLL - mean full-cache NLL)
     per stream, i.e. perplexity relative to the full cache, with its 95% bootstrap CI (point, low, high)."""
-    s = evicting(streams).assign(delta=lambda d: d["nll"] - d["nll_full"])
+    s = evicting(streams).assign(delta=paired_delta)
     return summarize_streams(s, "delta", np.exp, keys=("variant", "strategy", "position_mode"))
 
 
