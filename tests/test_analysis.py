@@ -748,3 +748,29 @@ def test_recall_table_counts_exact_answers_by_budget_and_depth():
     assert list(t.columns) == ["all", "b32", "b64"] and list(t.index) == ["full", "window"]
     assert t.at["full", "all"] == "4/4 (2/2)" and t.at["full", "b32"] == "-"
     assert t.at["window", "b32"] == "0/4 (0/0)" and t.at["window", "b64"] == "1/4 (0/1)"
+
+
+def test_training_table_has_a_column_per_training_and_a_hierarchical_one():
+    from evictlab.analysis.report import training_table
+
+    streams, results = [], []
+    for ck, seed, cost in (("a", 0, 0.10), ("b", 1, 0.30)):
+        for strategy, evicts, extra in (("full", False, 0.0), ("window", True, cost)):
+            key = f"{strategy}-{ck}"
+            ident = {
+                "strategy": strategy,
+                "strategy_label": strategy,
+                "strategy_order": int(evicts),
+                "evicts": evicts,
+            }
+            results.append(
+                ident | {"run_key": key, "checkpoint": ck, "cfg.train.seed": seed, "metric": "ppl"}
+            )
+            for stream in range(8):
+                nll = 2.0 + 0.05 * stream
+                where = {"run_key": key, "checkpoint": ck, "budget": 64, "position_mode": "original"}
+                streams.append(ident | where | {"stream": stream, "nll": nll + extra, "nll_full": nll})
+    t = training_table({"streams": pd.DataFrame(streams), "results": pd.DataFrame(results)}, "original", 64)
+    assert list(t.columns) == ["seed=0", "seed=1", "2 trainings"] and list(t.index) == ["window"]
+    assert t.at["window", "seed=0"].startswith(f"{np.exp(0.1):.3f}")
+    assert t.at["window", "2 trainings"].startswith(f"{np.exp(0.2):.3f}")  # the mean of the trainings' means

@@ -124,7 +124,8 @@ def markdown(frame: pd.DataFrame) -> str:
 def snapshot_tables(folder: Path) -> str:
     """`tables`: an experiment snapshot's cost tables (analysis/report.py: cost_table) per position mode,
     as the markdown its README quotes."""
-    from evictlab.analysis.report import cost_table, mode_table, recall_table, units_line
+    from evictlab.analysis import stats as S
+    from evictlab.analysis.report import cost_table, mode_table, recall_table, training_table, units_line
 
     tables = load_tables(folder / "snapshot")
     out = [
@@ -134,6 +135,14 @@ def snapshot_tables(folder: Path) -> str:
     modes = sorted(tables["streams"]["position_mode"].unique(), key=["original", "cache"].index)
     for mode in modes:
         out += ["", f"{mode} positions:", markdown(cost_table(tables, mode))]
+    if "checkpoint" in tables["streams"] and tables["streams"]["checkpoint"].nunique() > 1:
+        original = tables["streams"][tables["streams"]["position_mode"] == modes[0]]
+        for budget in sorted(S.evicting(original)["budget"].unique()):
+            out += [
+                "",
+                f"per training, {modes[0]} positions, budget {int(budget)} (and the full cache's ablations):",
+            ]
+            out.append(markdown(training_table(tables, modes[0], int(budget))))
     if not tables["recall"].empty:
         depths = ", ".join(f"{d:g}" for d in sorted(tables["recall"]["depth"].unique()))
         out += ["", f"pass-key recall, exact (teacher-forced), recalled/streams (by needle depth {depths}):"]

@@ -114,6 +114,58 @@ def cost_table(tables: dict[str, pd.DataFrame], mode: str = "original") -> pd.Da
     return t.droplevel("order").fillna("-")
 
 
+def _plain(v):
+    """A config value as written: 0, not 0.0 (a column of ints with gaps is read back as floats)."""
+    return int(v) if isinstance(v, float) and v.is_integer() else v
+
+
+def _run_names(results: pd.DataFrame) -> pd.Series:
+    """run_key -> `stats.run_labels`, with the strategy parameters that still vary among runs of one label
+    appended (an arm run in every layer and in one layer at a time: "bos_key, layer=0")."""
+    labels = S.run_labels(results)
+    runs = results.drop_duplicates("run_key").set_index("run_key")
+    params = [c for c in runs if c.startswith("cfg.strategy.params.")]
+    names = labels.copy()
+    for _, g in runs.assign(_label=labels).groupby(["strategy", "_label"]):
+        varying = [c for c in params if g[c].notna().any() and g[c].astype(str).nunique() > 1]
+        for key, row in g.iterrows():
+            extra = [f"{c.rsplit('.', 1)[1]}={_plain(row[c])}" for c in varying if pd.notna(row[c])]
+            names[key] = ", ".join(x for x in (labels[key], *extra) if x)
+    return names
+
+
+def training_table(tables: dict[str, pd.DataFrame], mode: str = "original", budget: int | None = None):
+    """Per policy or arm (rows; a policy's runs with different parameters or conf/arm/ arms apart, the full
+    cache's ablations included) x training run (columns, named by `stats.training_labels`): perplexity /
+    full-cache perplexity with a 95% paired CI over that training's streams, and in the last column over
+    all trainings with the hierarchical CI (training, then stream). `budget`: only the evicting runs of
+    that budget. For a group whose trainings are one recipe's seeds: does a result hold in each?"""
+    streams = tables["streams"]
+    s = streams[(streams["position_mode"] == mode) & ~S.is_reference(streams)]
+    if budget is not None:
+        s = s[~s["evicts"].astype(bool) | (s["budget"] == budget)]
+    s = s.assign(delta=S.paired_delta)
+    setting = s["run_key"].map(_run_names(tables["results"])).fillna("")
+    trained = S.training_labels(tables["results"])
+    s = s.assign(setting=setting, training=s["checkpoint"].map(trained).fillna(s["checkpoint"]))
+    P = S.PolicyOrder(streams)
+    rows = []
+    for (name, label), g in s.groupby(["strategy", "setting"]):
+        row = {
+            "order": P.order.get(name, 100),
+            "policy": f"{P.label(name)} ({label})" if label else P.label(name),
+        }
+        for training, t in g.groupby("training"):
+            row[training] = "{:.3f} [{:.3f}, {:.3f}]".format(*np.exp(S.bootstrap_ci(t["delta"].to_numpy())))
+        n = g["training"].nunique()
+        if n > 1:
+            p = S.nested_bootstrap_ci(g["delta"].to_numpy(), g["checkpoint"].to_numpy())
+            row[f"{n} trainings"] = "{:.3f} [{:.3f}, {:.3f}]".format(*np.exp(p))
+        rows.append(row)
+    t = pd.DataFrame(rows).sort_values(["order", "policy"]).drop(columns="order").set_index("policy")
+    return t.fillna("-")
+
+
 def mode_table(tables: dict[str, pd.DataFrame]) -> pd.DataFrame:
     """Per evicting policy (rows) x budget: the paired perplexity ratio cache / original positions with its
     95% CI (`stats.mode_ratios`), as the `position_modes` figure draws it."""
