@@ -774,3 +774,15 @@ def test_training_table_has_a_column_per_training_and_a_hierarchical_one():
     assert list(t.columns) == ["seed=0", "seed=1", "2 trainings"] and list(t.index) == ["window"]
     assert t.at["window", "seed=0"].startswith(f"{np.exp(0.1):.3f}")
     assert t.at["window", "2 trainings"].startswith(f"{np.exp(0.2):.3f}")  # the mean of the trainings' means
+    # one row against another, paired per (training, stream): the window's perplexity / StreamingLLM's
+    sinks = [r | {"strategy": "streaming_llm", "strategy_label": "StreamingLLM", "strategy_order": 2,
+                  "run_key": r["run_key"] + "-s", "nll": r["nll"] - 0.05}
+             for r in streams if r["strategy"] == "window"]  # fmt: skip
+    res = results + [r | {"run_key": r["run_key"] + "-s", "strategy": "streaming_llm"} for r in results]
+    both = {"streams": pd.DataFrame(streams + sinks), "results": pd.DataFrame(res)}
+    vs = training_table(both, "original", 64, against="window")
+    assert list(vs.index) == ["StreamingLLM"] and vs.at["StreamingLLM", "2 trainings"].startswith(
+        f"{np.exp(0.05):.3f}"
+    )
+    with pytest.raises(ValueError, match="no row 'h2o'"):
+        training_table(both, "original", 64, against="h2o")

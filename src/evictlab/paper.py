@@ -143,6 +143,12 @@ def snapshot_tables(folder: Path) -> str:
                 f"per training, {modes[0]} positions, budget {int(budget)} (and the full cache's ablations):",
             ]
             out.append(markdown(training_table(tables, modes[0], int(budget))))
+        for against in load_spec(folder).get("tables", {}).get("against", []):
+            out += [
+                "",
+                f"{against} against each other row (paired per stream; above 1: the row does better):",
+            ]
+            out.append(markdown(training_table(tables, modes[0], None, against)))
     if not tables["recall"].empty:
         depths = ", ".join(f"{d:g}" for d in sorted(tables["recall"]["depth"].unique()))
         out += ["", f"pass-key recall, exact (teacher-forced), recalled/streams (by needle depth {depths}):"]

@@ -134,27 +134,39 @@ def _run_names(results: pd.DataFrame) -> pd.Series:
     return names
 
 
-def training_table(tables: dict[str, pd.DataFrame], mode: str = "original", budget: int | None = None):
+def training_table(
+    tables: dict[str, pd.DataFrame], mode: str = "original", budget: int | None = None, against: str = ""
+) -> pd.DataFrame:
     """Per policy or arm (rows; a policy's runs with different parameters or conf/arm/ arms apart, the full
     cache's ablations included) x training run (columns, named by `stats.training_labels`): perplexity /
     full-cache perplexity with a 95% paired CI over that training's streams, and in the last column over
     all trainings with the hierarchical CI (training, then stream). `budget`: only the evicting runs of
-    that budget. For a group whose trainings are one recipe's seeds: does a result hold in each?"""
+    that budget. `against` (a row's name, e.g. "window"): that row's perplexity / each other evicting
+    row's instead, paired per stream (above 1: the row does better). For a group whose trainings are one
+    recipe's seeds: does a result hold in each?"""
     streams = tables["streams"]
     s = streams[(streams["position_mode"] == mode) & ~S.is_reference(streams)]
     if budget is not None:
         s = s[~s["evicts"].astype(bool) | (s["budget"] == budget)]
     s = s.assign(delta=S.paired_delta)
-    setting = s["run_key"].map(_run_names(tables["results"])).fillna("")
+    names = s["run_key"].map(_run_names(tables["results"])).fillna("")
     trained = S.training_labels(tables["results"])
-    s = s.assign(setting=setting, training=s["checkpoint"].map(trained).fillna(s["checkpoint"]))
+    s = s.assign(setting=names, training=s["checkpoint"].map(trained).fillna(s["checkpoint"]))
     P = S.PolicyOrder(streams)
+    s["row"] = [
+        f"{P.label(n)} ({x})" if x else P.label(n) for n, x in zip(s["strategy"], s["setting"], strict=True)
+    ]
+    if against:
+        units = [c for c in (S.CLUSTER, "seed", "stream") if c in s]
+        base = s[s["row"] == against].set_index(units)["nll"]
+        if base.empty:
+            raise ValueError(f"no row {against!r} to compare against; rows: {sorted(s['row'].unique())}")
+        s = s[(s["row"] != against) & s["evicts"].astype(bool)]  # policies against policies
+        s["delta"] = base.reindex(pd.MultiIndex.from_frame(s[units])).to_numpy() - s["nll"].to_numpy()
+        s = s.dropna(subset=["delta"])
     rows = []
-    for (name, label), g in s.groupby(["strategy", "setting"]):
-        row = {
-            "order": P.order.get(name, 100),
-            "policy": f"{P.label(name)} ({label})" if label else P.label(name),
-        }
+    for (name, _), g in s.groupby(["strategy", "setting"]):
+        row = {"order": P.order.get(name, 100), "policy": g["row"].iloc[0]}
         for training, t in g.groupby("training"):
             row[training] = "{:.3f} [{:.3f}, {:.3f}]".format(*np.exp(S.bootstrap_ci(t["delta"].to_numpy())))
         n = g["training"].nunique()
