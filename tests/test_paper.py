@@ -165,7 +165,7 @@ def test_the_verify_sample_is_one_run_per_policy_at_the_middle_budget_in_origina
 
 
 # experiments whose README quotes its snapshot's cost tables (`python -m evictlab.paper tables --only NAME`)
-QUOTED_TABLES = ["smollm2_quality"]
+QUOTED_TABLES = ["smollm2_quality", "ablations"]
 
 
 @pytest.mark.parametrize("name", QUOTED_TABLES)

@@ -460,6 +460,9 @@ def ablations(streams: pd.DataFrame, results: pd.DataFrame) -> Figure:
         1, 2 if len(by_layer) else 1, figsize=(11.5 if len(by_layer) else 7.4, 0.42 * len(arms) + 1.9),
         squeeze=False, gridspec_kw={"width_ratios": [1.5, 1]} if len(by_layer) else None,
     )  # fmt: skip
+    fig.set_figheight(
+        fig.get_figheight() + 0.25 * (len(modes) + per_run.index.get_level_values("checkpoint").nunique())
+    )
     ax = axes[0, 0]
     for k, mode in enumerate(modes):
         offset = 0.0 if len(modes) == 1 else (k - 0.5) * 0.3
@@ -494,7 +497,8 @@ def ablations(streams: pd.DataFrame, results: pd.DataFrame) -> Figure:
         f"What the first token does: budget {budget}, {runs_word}, paired {ci}\n{subject_caption(whole)}",
         fontsize=10,
     )
-    ax.legend(fontsize=8, loc="lower right", frameon=False)
+    # below the panel, off the data (the training markers sit anywhere along the rows)
+    ax.legend(fontsize=8, frameon=False, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2)
     if len(by_layer):
         ax2 = axes[0, 1]
         rl = summarize_streams(by_layer, "delta", np.exp, keys=("arm", "layer"))
