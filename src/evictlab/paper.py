@@ -137,18 +137,15 @@ def snapshot_tables(folder: Path) -> str:
         out += ["", f"{mode} positions:", markdown(cost_table(tables, mode))]
     if "checkpoint" in tables["streams"] and tables["streams"]["checkpoint"].nunique() > 1:
         original = tables["streams"][tables["streams"]["position_mode"] == modes[0]]
+        ablated = S.ablations(original)
         for budget in sorted(S.evicting(original)["budget"].unique()):
-            out += [
-                "",
-                f"per training, {modes[0]} positions, budget {int(budget)} (and the full cache's ablations):",
-            ]
+            also = " (and the full cache's ablations)" if len(ablated) else ""
+            out += ["", f"per training, {modes[0]} positions, budget {int(budget)}{also}:"]
             out.append(markdown(training_table(tables, modes[0], int(budget))))
-        for against in load_spec(folder).get("tables", {}).get("against", []):
-            out += [
-                "",
-                f"{against} against each other row (paired per stream; above 1: the row does better):",
-            ]
-            out.append(markdown(training_table(tables, modes[0], None, against)))
+            for against in load_spec(folder).get("tables", {}).get("against", []):
+                what = "paired per stream; above 1: the policy does better"
+                out += ["", f"{against} against each other policy, budget {int(budget)} ({what}):"]
+                out.append(markdown(training_table(tables, modes[0], int(budget), against)))
     if not tables["recall"].empty:
         depths = ", ".join(f"{d:g}" for d in sorted(tables["recall"]["depth"].unique()))
         out += ["", f"pass-key recall, exact (teacher-forced), recalled/streams (by needle depth {depths}):"]
