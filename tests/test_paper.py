@@ -170,6 +170,7 @@ QUOTED_TABLES = {
     "smollm2_quality": ["smollm2_quality"],
     "ablations": ["ablations"],
     "streaming_quality": ["streaming_quality", "position_modes"],
+    "smollm2_recall": ["smollm2_recall"],
 }
 
 

@@ -597,7 +597,7 @@ def recall_heatmaps(recall: pd.DataFrame, column: str = "exact_greedy", mode: st
     cell = r.groupby(["strategy", "budget", "depth"]).size()
     per = f"{cell.min()}" if cell.min() == cell.max() else f"{cell.min()}-{cell.max()}"
     fig.suptitle(
-        f"Pass-key recall, exact match by {what} ({mode} positions): each cell is {per} streams\n"
+        f"Pass-key recall, exact match, {what} ({mode} positions): each cell is {per} streams\n"
         f"{subject_caption(r.drop(columns=['stream'], errors='ignore'))}"
     )
     return fig
