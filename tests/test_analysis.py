@@ -786,3 +786,25 @@ def test_training_table_has_a_column_per_training_and_a_hierarchical_one():
     )
     with pytest.raises(ValueError, match="no row 'h2o'"):
         training_table(both, "original", 64, against="h2o")
+
+
+def test_band_table_weights_buckets_by_their_width_and_merges_identical_modes():
+    from evictlab.analysis.report import band_table
+
+    curves, streams = [], []
+    settings = [("full", False, "original", 1.0), ("full", False, "cache", 1.0),
+                ("window", True, "original", 2.0), ("window", True, "cache", 3.0)]  # fmt: skip
+    for strategy, evicts, mode, nll in settings:
+        ident = {"strategy": strategy, "strategy_label": strategy, "strategy_order": int(evicts)}
+        ident |= {"evicts": evicts, "budget": 64 if evicts else 1000, "position_mode": mode}
+        # buckets [1, 4) and [4, 16): widths 3 and 12; the second band holds only the second bucket
+        for start, end, value in ((1, 4, nll), (4, 16, nll + 1)):
+            curves.append(
+                ident | {"stream": 0, "position_start": start, "position": np.sqrt(start * end), "nll": value}
+            )
+        streams.append(ident | {"stream": 0, "nll": nll + 0.8})
+    t = band_table({"curves": pd.DataFrame(curves), "streams": pd.DataFrame(streams)}, [4])
+    assert list(t.columns) == ["budget", "mode", "perplexity", "< 4", ">= 4"]
+    assert list(t["mode"]) == ["both", "original", "cache"]  # the full cache is one row
+    assert t.loc["window"].iloc[0]["< 4"] == "2.000" and t.loc["window"].iloc[1][">= 4"] == "4.000"
+    assert t.loc["full", "perplexity"] == f"{np.exp(1.8):.3f}"

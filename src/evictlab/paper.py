@@ -125,7 +125,14 @@ def snapshot_tables(folder: Path) -> str:
     """`tables`: an experiment snapshot's cost tables (analysis/report.py: cost_table) per position mode,
     as the markdown its README quotes."""
     from evictlab.analysis import stats as S
-    from evictlab.analysis.report import cost_table, mode_table, recall_table, training_table, units_line
+    from evictlab.analysis.report import (
+        band_table,
+        cost_table,
+        mode_table,
+        recall_table,
+        training_table,
+        units_line,
+    )
 
     tables = load_tables(folder / "snapshot")
     out = [
@@ -146,6 +153,10 @@ def snapshot_tables(folder: Path) -> str:
                 what = "paired per stream; above 1: the policy does better"
                 out += ["", f"{against} against each other policy, budget {int(budget)} ({what}):"]
                 out.append(markdown(training_table(tables, modes[0], int(budget), against)))
+    bands = load_spec(folder).get("tables", {}).get("bands")
+    if bands:
+        out += ["", "perplexity over the stream, and mean NLL [nats] by position band:"]
+        out.append(markdown(band_table(tables, bands)))
     if not tables["recall"].empty:
         depths = ", ".join(f"{d:g}" for d in sorted(tables["recall"]["depth"].unique()))
         out += ["", f"pass-key recall, exact (teacher-forced), recalled/streams (by needle depth {depths}):"]

@@ -178,6 +178,45 @@ def training_table(
     return t.fillna("-")
 
 
+def band_table(tables: dict[str, pd.DataFrame], edges: list[int]) -> pd.DataFrame:
+    """Per run setting (policy, budget, position mode): perplexity over the whole stream (mean over its
+    streams' NLL) and the mean NLL [nats] in position bands cut at `edges` (e.g. the training context and
+    a later point), token-weighted from `curves` (each log-spaced bucket counted in the band of its first
+    position, all streams pooled): where along a long stream a policy holds or fails."""
+    c, streams = tables["curves"], tables["streams"]
+    width = c["position"] ** 2 / c["position_start"].clip(lower=1e-9) - c["position_start"]
+    cuts = [0, *edges, np.inf]
+    names = [f"< {edges[0]:,}"] + [f"{a:,} - {b - 1:,}" for a, b in zip(edges, edges[1:], strict=False)]
+    names.append(f">= {edges[-1]:,}")
+    band = pd.cut(c["position_start"], cuts, right=False, labels=names)
+    c = c.assign(_w=width, _x=c["nll"] * width, band=band)
+    keys = ["strategy", "budget", "position_mode"]
+    nll = c.groupby([*keys, "band"], observed=True)[["_x", "_w"]].sum()
+    nll = (nll["_x"] / nll["_w"]).unstack("band")
+    ppl = streams.groupby(keys)["nll"].mean().map(np.exp).rename("perplexity")
+    t = pd.concat([ppl, nll], axis=1).reset_index()
+    P = S.PolicyOrder(streams)
+    t["order"] = t["strategy"].map(P.order)
+    t["_mode"] = t["position_mode"].map({"original": 0, "cache": 1})
+    t = t.sort_values(["order", "budget", "_mode"])
+    same = t.groupby(["strategy", "budget"])["perplexity"].transform(
+        lambda p: p.nunique() == 1 and len(p) > 1
+    )
+    t.loc[same, "position_mode"] = "both"  # the full cache and a window: the same computation in both modes
+    t = t.drop_duplicates(["strategy", "budget", "position_mode"])
+    ref = t["strategy"].map(P.is_reference)
+    t["budget"] = ["-" if r else f"{int(b):,}" for r, b in zip(ref, t["budget"], strict=True)]
+    t["policy"] = t["strategy"].map(P.label)
+    cols = ["policy", "budget", "position_mode", "perplexity", *[n for n in names if n in t]]
+    out = t[cols].rename(columns={"position_mode": "mode"}).set_index("policy")
+    for col in out.columns[3:]:
+        out[col] = [f"{v:.3f}" if pd.notna(v) else "-" for v in out[col]]
+    out["perplexity"] = [
+        f"{v:.3f}" if v < 10 else f"{v:.2f}" if v < 100 else f"{v:.1f}" for v in out["perplexity"]
+    ]
+    return out
+
+
 def mode_table(tables: dict[str, pd.DataFrame]) -> pd.DataFrame:
     """Per evicting policy (rows) x budget: the paired perplexity ratio cache / original positions with its
     95% CI (`stats.mode_ratios`), as the `position_modes` figure draws it."""
