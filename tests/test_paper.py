@@ -171,6 +171,7 @@ QUOTED_TABLES = {
     "ablations": ["ablations"],
     "streaming_quality": ["streaming_quality", "position_modes"],
     "smollm2_recall": ["smollm2_recall"],
+    "recall": ["recall"],
 }
 
 
