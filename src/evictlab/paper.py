@@ -122,8 +122,9 @@ def markdown(frame: pd.DataFrame) -> str:
 
 
 def snapshot_tables(folder: Path) -> str:
-    """`tables`: an experiment snapshot's cost tables (analysis/report.py: cost_table) per position mode,
-    as the markdown its README quotes."""
+    """`tables`: an experiment snapshot's tables (analysis/report.py) as the markdown its README quotes: the
+    cost per position mode, per training where several, the rows its figures.yaml sets `against` the
+    others, NLL by position `bands`, pass-key recall, and the paired cache / original ratios."""
     from evictlab.analysis import stats as S
     from evictlab.analysis.report import (
         band_table,
@@ -134,7 +135,7 @@ def snapshot_tables(folder: Path) -> str:
         units_line,
     )
 
-    tables = load_tables(folder / "snapshot")
+    tables, wanted = load_tables(folder / "snapshot"), load_spec(folder).get("tables", {})
     out = [
         f"## {folder.name}: perplexity (perplexity / full-cache perplexity [95% paired CI])",
         units_line(tables),
@@ -149,12 +150,11 @@ def snapshot_tables(folder: Path) -> str:
             also = " (and the full cache's ablations)" if len(ablated) else ""
             out += ["", f"per training, {modes[0]} positions, budget {int(budget)}{also}:"]
             out.append(markdown(training_table(tables, modes[0], int(budget))))
-            for against in load_spec(folder).get("tables", {}).get("against", []):
+            for against in wanted.get("against", []):
                 what = "paired per stream; above 1: the policy does better"
                 out += ["", f"{against} against each other policy, budget {int(budget)} ({what}):"]
                 out.append(markdown(training_table(tables, modes[0], int(budget), against)))
-    bands = load_spec(folder).get("tables", {}).get("bands")
-    if bands:
+    if bands := wanted.get("bands"):
         out += ["", "perplexity over the stream, and mean NLL [nats] by position band:"]
         out.append(markdown(band_table(tables, bands)))
     if not tables["recall"].empty:

@@ -116,10 +116,9 @@ def metric_rows(ids: dict[str, Any], metrics: dict[str, Any]) -> list[dict[str, 
 def stream_and_curve_rows(base: dict[str, Any], pt: pd.DataFrame) -> tuple[list[dict], list[dict]]:
     """Per-stream means, and per stream x log-spaced position bucket means, of the per-token metrics."""
     cols = [c for c in R.STREAM_COLUMNS if c in pt]
-    s = pt.groupby("stream")[cols].mean().reset_index()
-    if "nll_full" in pt:  # the policy's NLL over the predictions the full-cache reference covers (its cap)
-        paired = pt["nll"].where(pt["nll_full"].notna())
-        s["nll_paired"] = paired.groupby(pt["stream"]).mean().to_numpy()
+    # the policy's NLL over the predictions the full-cache reference covers (eval.full_max_len caps it)
+    paired = {"nll_paired": pt["nll"].where(pt["nll_full"].notna())} if "nll_full" in pt else {}
+    s = pt.assign(**paired).groupby("stream")[[*cols, *paired]].mean().reset_index()
     edges = R.position_buckets(int(pt["position"].max()))
     pt = pt.assign(bucket=np.searchsorted(edges, pt["position"].to_numpy(), side="right") - 1)
     c = pt.groupby(["stream", "bucket"])[cols].mean().reset_index()

@@ -456,13 +456,12 @@ def ablations(streams: pd.DataFrame, results: pd.DataFrame) -> Figure:
     per_run = whole.groupby(["arm", "position_mode", "checkpoint"])["delta"].mean().map(np.exp)
     named = training_labels(results)  # checkpoint -> its training's distinguishing settings
     arms = sorted(r["arm"].unique(), key=lambda a: (list(ARMS).index(a) if a in ARMS else len(ARMS), a))
+    legend_rows = len(modes) + per_run.index.get_level_values("checkpoint").nunique()  # below the panel
     fig, axes = plt.subplots(
-        1, 2 if len(by_layer) else 1, figsize=(11.5 if len(by_layer) else 7.4, 0.42 * len(arms) + 1.9),
+        1, 2 if len(by_layer) else 1,
+        figsize=(11.5 if len(by_layer) else 7.4, 0.42 * len(arms) + 1.9 + 0.25 * legend_rows),
         squeeze=False, gridspec_kw={"width_ratios": [1.5, 1]} if len(by_layer) else None,
     )  # fmt: skip
-    fig.set_figheight(
-        fig.get_figheight() + 0.25 * (len(modes) + per_run.index.get_level_values("checkpoint").nunique())
-    )
     ax = axes[0, 0]
     for k, mode in enumerate(modes):
         offset = 0.0 if len(modes) == 1 else (k - 0.5) * 0.3

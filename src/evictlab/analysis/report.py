@@ -82,36 +82,38 @@ def headline_table(tables: dict[str, pd.DataFrame]) -> pd.DataFrame:
     return t.rename(columns={"n": "units (seed x stream)", "clusters": "training runs"})
 
 
+def _interval(point: float, low: float, high: float) -> str:
+    return f"{point:.3f} [{low:.3f}, {high:.3f}]"
+
+
+def _policy_grid(frame: pd.DataFrame, P: S.PolicyOrder, column: str) -> pd.DataFrame:
+    """Rows of (strategy, `policy` label, `column`, `cell`) as a table: one row per policy in figure
+    order, one column per value of `column` (budgets as "b64"), "-" where a policy has no cell."""
+    t = frame.assign(order=frame["strategy"].map(lambda n: P.order.get(n, 100)))
+    t = t.pivot_table(index=["order", "policy"], columns=column, values="cell", aggfunc="first")
+    if column == "budget":
+        t.columns = [f"b{int(b)}" for b in t.columns]
+    return t.droplevel("order").fillna("-")
+
+
 def cost_table(tables: dict[str, pd.DataFrame], mode: str = "original") -> pd.DataFrame:
-    """Per policy (rows, figure order; with a `setting` part where runs of one policy differ) x budget
-    (columns): "perplexity (perplexity / full-cache perplexity [95% CI])" in one position mode, the cost
-    paired stream by stream against the full cache as in the `cost_vs_budget` figure, its CI hierarchical
-    (training run, then stream) where the policy's runs span several checkpoints. The numbers an
-    experiment README quotes: `python -m evictlab.paper tables --only NAME` prints them."""
+    """Per policy (rows, figure order; `policy (setting)` where runs of one policy differ, as
+    `training_table` names them) x budget (columns): "perplexity (perplexity / full-cache perplexity [95%
+    CI])" in one position mode, the cost paired stream by stream against the full cache as in the
+    `cost_vs_budget` figure, its CI hierarchical (training run, then stream) where the policy's runs span
+    several checkpoints. The numbers an experiment README quotes: `make tables EXP=NAME` prints them."""
     streams = tables["streams"]
+    P = S.PolicyOrder(streams)
     s = S.evicting(streams[streams["position_mode"] == mode]).assign(delta=S.paired_delta)
-    keys = ["strategy", "budget"]
-    if "results" in tables and not tables["results"].empty:
-        labels = S.run_labels(tables["results"])
-        if (labels != "").any():
-            s = s.assign(setting=s["run_key"].map(labels).fillna(""))
-            keys = ["strategy", "setting", "budget"]
+    s = s.assign(policy=_row_names(s, tables, P))
+    keys = ["strategy", "policy", "budget"]
     ppl = S.summarize_streams(s, "nll", np.exp, keys)
     cost = S.summarize_streams(s, "delta", np.exp, keys)
     cost["cell"] = [
-        f"{p:.2f} ({c:.3f} [{lo:.3f}, {hi:.3f}])"
+        f"{p:.2f} ({_interval(c, lo, hi)})"
         for p, c, lo, hi in zip(ppl["point"], cost["point"], cost["low"], cost["high"], strict=True)
     ]
-    P = S.PolicyOrder(streams)
-    cost["policy"] = cost["strategy"].map(P.label)
-    if "setting" in cost:
-        cost["policy"] = [
-            f"{p} ({x})" if x else p for p, x in zip(cost["policy"], cost["setting"], strict=True)
-        ]
-    cost["order"] = cost["strategy"].map(P.order)
-    t = cost.pivot_table(index=["order", "policy"], columns="budget", values="cell", aggfunc="first")
-    t.columns = [f"b{int(b)}" for b in t.columns]
-    return t.droplevel("order").fillna("-")
+    return _policy_grid(cost, P, "budget")
 
 
 def _plain(v):
@@ -134,6 +136,14 @@ def _run_names(results: pd.DataFrame) -> pd.Series:
     return names
 
 
+def _row_names(s: pd.DataFrame, tables: dict[str, pd.DataFrame], P: S.PolicyOrder) -> list[str]:
+    """Per stream row: its policy's label, with `(setting)` where runs of one policy differ (`_run_names`)."""
+    results = tables.get("results")
+    names = s["run_key"].map(_run_names(results)) if results is not None and len(results) else None
+    names = names.fillna("") if names is not None else pd.Series("", index=s.index)
+    return [f"{P.label(n)} ({x})" if x else P.label(n) for n, x in zip(s["strategy"], names, strict=True)]
+
+
 def training_table(
     tables: dict[str, pd.DataFrame], mode: str = "original", budget: int | None = None, against: str = ""
 ) -> pd.DataFrame:
@@ -148,14 +158,10 @@ def training_table(
     s = streams[(streams["position_mode"] == mode) & ~S.is_reference(streams)]
     if budget is not None:
         s = s[~s["evicts"].astype(bool) | (s["budget"] == budget)]
-    s = s.assign(delta=S.paired_delta)
-    names = s["run_key"].map(_run_names(tables["results"])).fillna("")
-    trained = S.training_labels(tables["results"])
-    s = s.assign(setting=names, training=s["checkpoint"].map(trained).fillna(s["checkpoint"]))
     P = S.PolicyOrder(streams)
-    s["row"] = [
-        f"{P.label(n)} ({x})" if x else P.label(n) for n, x in zip(s["strategy"], s["setting"], strict=True)
-    ]
+    trained = S.training_labels(tables["results"])
+    s = s.assign(delta=S.paired_delta, row=_row_names(s, tables, P))
+    s["training"] = s["checkpoint"].map(trained).fillna(s["checkpoint"])
     if against:
         units = [c for c in (S.CLUSTER, "seed", "stream") if c in s]
         base = s[s["row"] == against].set_index(units)["nll"]
@@ -165,14 +171,15 @@ def training_table(
         s["delta"] = base.reindex(pd.MultiIndex.from_frame(s[units])).to_numpy() - s["nll"].to_numpy()
         s = s.dropna(subset=["delta"])
     rows = []
-    for (name, _), g in s.groupby(["strategy", "setting"]):
-        row = {"order": P.order.get(name, 100), "policy": g["row"].iloc[0]}
+    for (name, label), g in s.groupby(["strategy", "row"]):
+        row = {"order": P.order.get(name, 100), "policy": label}
         for training, t in g.groupby("training"):
-            row[training] = "{:.3f} [{:.3f}, {:.3f}]".format(*np.exp(S.bootstrap_ci(t["delta"].to_numpy())))
+            row[training] = _interval(*np.exp(S.bootstrap_ci(t["delta"].to_numpy())))
         n = g["training"].nunique()
         if n > 1:
-            p = S.nested_bootstrap_ci(g["delta"].to_numpy(), g["checkpoint"].to_numpy())
-            row[f"{n} trainings"] = "{:.3f} [{:.3f}, {:.3f}]".format(*np.exp(p))
+            row[f"{n} trainings"] = _interval(
+                *np.exp(S.nested_bootstrap_ci(g["delta"].to_numpy(), g["checkpoint"].to_numpy()))
+            )
         rows.append(row)
     t = pd.DataFrame(rows).sort_values(["order", "policy"]).drop(columns="order").set_index("policy")
     return t.fillna("-")
@@ -184,7 +191,7 @@ def band_table(tables: dict[str, pd.DataFrame], edges: list[int]) -> pd.DataFram
     a later point), token-weighted from `curves` (each log-spaced bucket counted in the band of its first
     position, all streams pooled): where along a long stream a policy holds or fails."""
     c, streams = tables["curves"], tables["streams"]
-    width = c["position"] ** 2 / c["position_start"].clip(lower=1e-9) - c["position_start"]
+    width = S.bucket_width(c)
     cuts = [0, *edges, np.inf]
     names = [f"< {edges[0]:,}"] + [f"{a:,} - {b - 1:,}" for a, b in zip(edges, edges[1:], strict=False)]
     names.append(f">= {edges[-1]:,}")
@@ -223,11 +230,8 @@ def mode_table(tables: dict[str, pd.DataFrame]) -> pd.DataFrame:
     streams = tables["streams"]
     r = S.mode_ratios(streams)
     P = S.PolicyOrder(streams)
-    r["cell"] = [f"{p:.3f} [{lo:.3f}, {hi:.3f}]" for p, lo, hi in r[["point", "low", "high"]].to_numpy()]
-    r["order"], r["policy"] = r["strategy"].map(P.order), r["strategy"].map(P.label)
-    t = r.pivot_table(index=["order", "policy"], columns="budget", values="cell", aggfunc="first")
-    t.columns = [f"b{int(b)}" for b in t.columns]
-    return t.droplevel("order").fillna("-")
+    r["cell"] = [_interval(*v) for v in r[["point", "low", "high"]].to_numpy()]
+    return _policy_grid(r.assign(policy=r["strategy"].map(P.label)), P, "budget")
 
 
 def recall_table(tables: dict[str, pd.DataFrame], mode: str = "original") -> pd.DataFrame:
@@ -242,25 +246,21 @@ def recall_table(tables: dict[str, pd.DataFrame], mode: str = "original") -> pd.
         by_depth = g.groupby("depth")["exact_teacher_forced"].sum().astype(int)
         cell = f"{int(g['exact_teacher_forced'].sum())}/{len(g)} ({'/'.join(map(str, by_depth))})"
         label = "all" if P.is_reference(name) else f"b{int(budget)}"
-        rows.append({"order": P.order.get(name, 100), "policy": P.label(name), "budget": label, "cell": cell})
-    t = pd.DataFrame(rows).pivot_table(
-        index=["order", "policy"], columns="budget", values="cell", aggfunc="first"
-    )
+        rows.append({"strategy": name, "policy": P.label(name), "column": label, "cell": cell})
+    t = _policy_grid(pd.DataFrame(rows), P, "column")
     budgets = sorted((c for c in t.columns if c != "all"), key=lambda c: int(c[1:]))
-    return t.droplevel("order")[[c for c in ("all", *budgets) if c in t.columns]].fillna("-")
+    return t[[c for c in ("all", *budgets) if c in t.columns]]
 
 
 def units_line(tables: dict[str, pd.DataFrame]) -> str:
     """What every CI of a group rests on: trainings, streams per training, the full cache's perplexity."""
     streams = tables["streams"]
     full = S.reference(streams)
-    n_ck = streams["checkpoint"].nunique() if "checkpoint" in streams else 1
-    per = streams.groupby(["checkpoint", "run_key"]).size().max() if "checkpoint" in streams else len(streams)
-    ppl = (
-        S.summarize_streams(full.assign(all=0), "nll", np.exp, ["all"])["point"].iloc[0]
-        if len(full)
-        else None
-    )
+    n_ck = streams[S.CLUSTER].nunique() if S.CLUSTER in streams else 1
+    per = streams.groupby("run_key").size().max()  # streams per run (a run belongs to one training)
+    # the point of summarize_streams: the mean over trainings of each training's mean (no CI needed here)
+    means = full.groupby(S.CLUSTER)["nll"].mean() if S.CLUSTER in full else full["nll"]
+    ppl = float(np.exp(means.mean())) if len(full) else None
     what = f"{n_ck} training run(s) x {per} stream(s)" if n_ck > 1 else f"{per} stream(s)"
     return f"CIs over {what}; full-cache perplexity {ppl:.3f}" if ppl else f"CIs over {what}"
 

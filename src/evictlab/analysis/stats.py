@@ -202,6 +202,13 @@ def mode_ratios(streams: pd.DataFrame) -> pd.DataFrame:
 MODEL_LABELS = {"smollm2_135m": "SmolLM2-135M-Instruct (Q4_1, dequantised)"}
 
 
+def bucket_width(frame: pd.DataFrame) -> pd.Series:
+    """Positions a curve's log-spaced bucket holds, from its `position` (sqrt(start x end)) and
+    `position_start`."""
+    start = frame["position_start"].astype(float)
+    return frame["position"].astype(float) ** 2 / start.clip(lower=1e-9) - start
+
+
 def pool_buckets(frame: pd.DataFrame, col: str, min_tokens: int) -> pd.DataFrame:
     """A curve's log-spaced position buckets (`position` = sqrt(start x end), `position_start`) pooled from
     the start until each holds >= min_tokens positions, so no point of a curve is one or two tokens' noise
@@ -211,7 +218,7 @@ def pool_buckets(frame: pd.DataFrame, col: str, min_tokens: int) -> pd.DataFrame
         return frame
     buckets = frame[["position_start", "position"]].drop_duplicates().sort_values("position_start")
     start = buckets["position_start"].to_numpy(float)
-    width = buckets["position"].to_numpy(float) ** 2 / np.maximum(start, 1e-9) - start  # sqrt(start x end)
+    width = bucket_width(buckets).to_numpy(float)
     group, held, gid = [], 0.0, 0
     for w in width:
         group.append(gid)
