@@ -165,16 +165,18 @@ def token_metrics(
     logp: torch.Tensor, target: torch.Tensor, ref_logp: torch.Tensor | None
 ) -> dict[str, torch.Tensor]:
     """Per predicted token, from log-probs logp [..., V] and the true next tokens target [...]: nll, correct
-    (top-1 is the true token) and, given the full cache's log-probs, kl = KL(p_full || p) and agree (the
-    same top-1 as the full cache)."""
-    top1 = logp.argmax(-1)
-    out = {
-        "nll": -logp.gather(-1, target[..., None])[..., 0],
-        "correct": (top1 == target).to(logp.dtype),
-    }
+    (the true token has the highest probability) and, given the full cache's log-probs, kl = KL(p_full ||
+    p) and agree (the full cache's top-1 token has the policy's highest probability too).
+
+    "Highest" is a comparison with the row's maximum, not an argmax index (a vocabulary-wide argmax costs
+    5x a max on the CPU: 26 ms against 5 ms for 128 x 49,152 log-probs); they differ only on exact ties."""
+    top = logp.amax(-1)
+    nll = -logp.gather(-1, target[..., None])[..., 0]
+    out = {"nll": nll, "correct": (-nll >= top).to(logp.dtype)}
     if ref_logp is not None:
         out["kl"] = (ref_logp.exp() * (ref_logp - logp)).sum(-1)
-        out["agree"] = (top1 == ref_logp.argmax(-1)).to(logp.dtype)
+        ref_top1 = ref_logp.argmax(-1, keepdim=True)
+        out["agree"] = (logp.gather(-1, ref_top1)[..., 0] >= top).to(logp.dtype)
     return out
 
 
