@@ -808,3 +808,30 @@ def test_band_table_weights_buckets_by_their_width_and_merges_identical_modes():
     assert list(t["mode"]) == ["both", "original", "cache"]  # the full cache is one row
     assert t.loc["window"].iloc[0]["< 4"] == "2.000" and t.loc["window"].iloc[1][">= 4"] == "4.000"
     assert t.loc["full", "perplexity"] == f"{np.exp(1.8):.3f}"
+
+
+def test_band_table_draws_the_full_cache_from_the_runs_reference_when_no_run_is_it():
+    """A long-stream sweep has no full-cache run (its streams outrun the reference's cap): the table's full
+    cache row comes from the reference the runs carry (nll_full), named with the cap, in both modes."""
+    from evictlab.analysis.report import band_table
+
+    curves, streams, results = [], [], []
+    for budget, nll in ((64, 2.0), (256, 1.5)):
+        ident = {"strategy": "window", "strategy_label": "window", "strategy_order": 1, "evicts": True}
+        ident |= {"budget": budget, "position_mode": "cache", "run_key": f"w{budget}"}
+        for start, end, full in ((1, 4, 1.0), (4, 16, 0.5), (16, 64, np.nan)):  # the cap inside [4, 16)
+            curves.append(ident | {"stream": 0, "position_start": start, "position": np.sqrt(start * end),
+                                   "nll": nll, "nll_full": full})  # fmt: skip
+        streams.append(ident | {"stream": 0, "nll": nll, "nll_full": 0.7})
+        results.append(ident | {"cfg.eval.full_max_len": 12})
+    tables = {
+        "curves": pd.DataFrame(curves),
+        "streams": pd.DataFrame(streams),
+        "results": pd.DataFrame(results),
+    }
+    t = band_table(tables, [4, 16])
+    ref = "full cache (reference, first 12 predictions)"
+    assert list(t.index) == [ref, "window", "window"]
+    assert t.loc[ref, "mode"] == "both" and t.loc[ref, "budget"] == "-"
+    assert t.loc[ref, "perplexity"] == f"{np.exp(0.7):.3f}"
+    assert [t.loc[ref, c] for c in ("< 4", "4 - 15", ">= 16")] == ["1.000", "0.500", "-"]

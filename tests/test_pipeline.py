@@ -497,3 +497,34 @@ def test_without_slurm_accounting_job_states_come_from_squeue_in_sacct_format(mo
     assert command[:2] == ["sh", "-c"] and "squeue -h -t all" in command[2] and command[-1] == "14,15"
     states = watcher.read_info("JobID|State|NodeList\n14_0|CANCELLED|vm\n15_[1-3]|PENDING|\n")
     assert states["14_0"]["State"] == "CANCELLED" and states["15_2"]["State"] == "PENDING"
+
+
+def test_runs_record_their_text_and_aggregation_refuses_a_changed_corpus(outputs: Path, capsys):
+    """Every run records the sha256 of the token streams it measured; runs of the same stream settings that
+    measured different text (a corpus that changed between them: a package that installs manual pages) are
+    refused in one line that names them, while other stream settings are free to differ."""
+    import torch
+
+    from evictlab.analysis.aggregate import main as aggregate_main
+    from evictlab.store import read_json, tokens_sha256, write_json
+
+    t = torch.tensor([[1, 2, 3], [4, 5, 6]])
+    assert tokens_sha256(t) == tokens_sha256(t.clone().to(torch.int32))  # the values, not the dtype
+    assert tokens_sha256(t) != tokens_sha256(t.view(3, 2)) != tokens_sha256(t.flip(1))  # shape and order
+    runs = {}
+    for strategy, length in (("window", 96), ("streaming_llm", 96), ("window", 80)):
+        cfg = cfg_for(
+            outputs, f"strategy={strategy}", "budget=b16", "logger=none", f"eval.stream_len={length}"
+        )
+        runs[strategy, length] = (run_mod.run(cfg), run_mod.run_dir(cfg))
+    shas = {k: m["streams_sha256"] for k, (m, _) in runs.items()}
+    assert shas["window", 96] == shas["streaming_llm", 96] != shas["window", 80]  # policies share the text
+    group = runs["window", 96][1].parent
+    assert aggregate_main([str(group)]) == 0  # two stream lengths: two settings, each with one text
+    capsys.readouterr()
+    changed = runs["streaming_llm", 96][1] / "metrics.json"
+    write_json(changed, read_json(changed) | {"streams_sha256": "f" * 64})  # as if run on another corpus
+    assert aggregate_main([str(group)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "measured 2 different texts" in err
+    assert runs["streaming_llm", 96][1].name in err and "man_pages" in err

@@ -89,6 +89,7 @@ ID_COLUMNS = [
     "variant",
     "checkpoint",
     "weights_sha256",  # sha256 of the checkpoint's model.safetensors: which weights the numbers are of
+    "streams_sha256",  # sha256 of the evaluated token streams: which text they are of (store.tokens_sha256)
     "model",
     "dataset",
     "path",

@@ -44,7 +44,15 @@ from evictlab.eval.spec import check_positions
 from evictlab.identity import is_done, run_dir, run_key
 from evictlab.models.gpt import GPT
 from evictlab.perf import build_info, set_threads
-from evictlab.store import file_lock, git_info, package_versions, read_json, write_atomic, write_json
+from evictlab.store import (
+    file_lock,
+    git_info,
+    package_versions,
+    read_json,
+    tokens_sha256,
+    write_atomic,
+    write_json,
+)
 from evictlab.train import get_checkpoint
 
 log = logging.getLogger(__name__)
@@ -186,7 +194,11 @@ class RunStages:
         with clock("files"):
             curve = self.write_results(res)
         metrics = (
-            self.identity(ck) | res.summary | sink | {"full_reference_shared": shared.read if shared else 0}
+            self.identity(ck)
+            | {"streams_sha256": tokens_sha256(tokens)}
+            | res.summary
+            | sink
+            | {"full_reference_shared": shared.read if shared else 0}
         )
         with clock("tasks"):
             if recall is not None:

@@ -48,6 +48,17 @@ def stable_hash(obj: Any, n: int = 16) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()[:n]
 
 
+def tokens_sha256(tokens) -> str:
+    """sha256 of a token tensor's shape and int64 values: which text a run measured (the same settings can
+    select other text when the corpus changes under them, e.g. a package installs manual pages)."""
+    import numpy as np
+
+    arr = np.ascontiguousarray(tokens.detach().cpu().numpy().astype(np.int64))
+    h = hashlib.sha256(json.dumps(list(arr.shape)).encode())
+    h.update(arr.tobytes())
+    return h.hexdigest()
+
+
 def file_sha256(path: str | os.PathLike) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:

@@ -156,6 +156,7 @@ def aggregate(sweeps: list[Path], out: Path | None = None) -> dict[str, pd.DataF
     tables |= {name: pd.concat(f, ignore_index=True) if f else pd.DataFrame() for name, f in frames.items()}
     tables["failures"] = pd.DataFrame(failures, columns=R.FAILURE_COLUMNS)
     check_weights(tables["results"])
+    check_streams(tables["results"])
     if out is not None:
         write_tables(out, tables)
     return tables
@@ -175,6 +176,50 @@ def check_weights(results: pd.DataFrame) -> None:
                 f"checkpoint {name} stands for {len(found)} sets of weights in these runs ({shown}): "
                 "the checkpoint was replaced after some runs finished; rerun the sweep (runs of the old "
                 "weights are redone) or remove their folders"
+            )
+
+
+# The settings that select a run's token streams: runs that agree on all of them must have measured the
+# same text (the policy, budget and position mode do not change it).
+STREAM_SETTINGS = ("checkpoint", "dataset", "seed", "stream_len", "n_streams")
+STREAM_CONFIG_PREFIXES = (
+    "cfg.dataset.",
+    "cfg.tokenizer.",
+    "cfg.eval.stream",
+    "cfg.eval.split",
+    "cfg.eval.task",
+    "cfg.eval.recall",
+    "cfg.eval.n_streams",
+    "cfg.model.sink_token",
+)
+
+
+def check_streams(results: pd.DataFrame) -> None:
+    """Refuse (ConfigError, one line) a sweep whose runs of the same stream settings measured different
+    text (`streams_sha256`): the corpus changed between them (the installed manual pages, an edited
+    text_files folder), so their policies would be compared on different documents. Runs from before the
+    hash was recorded are not checked."""
+    if results.empty or "streams_sha256" not in results:
+        return
+    runs = results.drop_duplicates("run_dir").dropna(subset=["streams_sha256"])
+    if runs.empty:
+        return
+    keys = [c for c in STREAM_SETTINGS if c in runs] + sorted(
+        c for c in runs.columns if c.startswith(STREAM_CONFIG_PREFIXES)
+    )
+    setting = [repr(tuple(str(v) for v in row)) for row in runs[keys].itertuples(index=False)]
+    for _, g in runs.groupby(setting):
+        found = g["streams_sha256"].unique()
+        if len(found) > 1:
+            shown = "; ".join(
+                f"{h[:12]}...: "
+                + ", ".join(sorted(Path(d).name for d in g.loc[g["streams_sha256"] == h, "run_dir"]))
+                for h in found
+            )
+            raise ConfigError(
+                f"runs of the same stream settings measured {len(found)} different texts ({shown}): the "
+                "corpus changed between them (for dataset=man_pages: packages installed or removed); "
+                "remove the folders of the runs on the text you do not want and rerun the sweep"
             )
 
 
