@@ -404,3 +404,24 @@ def test_a_recompute_plan_needs_one_window_for_every_layer():
 
     with pytest.raises(ConfigError, match="allocation=uniform"):
         plan(make_policy("recompute_window"), 64, StreamSpec(allocation=Allocation.pyramid), 4, 512)
+
+
+def test_a_wider_model_gets_larger_window_blocks_on_the_parallel_path_only():
+    """Bounded windows run in blocks that double while the model's width is at least 4x the block (the
+    matmuls' share grows with the width); the full cache, the blocked path and a narrow model keep theirs,
+    and a block never exceeds eval.block."""
+    from evictlab.eval.engine import window_block
+
+    assert [window_block(w) for w in (0, 40, 128, 511, 512, 576, 1023, 1024, 4096)] == [
+        128, 128, 128, 128, 256, 256, 256, 512, 2048]  # fmt: skip
+    wide = {"n_layer": 4, "T": 2048, "width": 576}
+    assert plan(make_policy("streaming_llm"), 64, StreamSpec(), **wide).block == 256
+    assert plan(make_policy("streaming_llm"), 64, StreamSpec(block=200), **wide).block == 200
+    assert plan(make_policy("h2o"), 64, StreamSpec(), **wide).block == BLOCK_STEPS
+    assert plan(make_policy("full"), 64, StreamSpec(), **wide).block == 2048 // 16
+    model = GPT(GPTConfig(name="w", vocab_size=40, n_layer=1, n_head=2, n_embd=512)).eval()
+    tokens = torch.randint(0, 40, (1, 300), generator=torch.Generator().manual_seed(0))
+    out = stream(model, tokens, make_policy("window"), 16, StreamSpec())
+    ref = stream(model, tokens, make_policy("window"), 16, StreamSpec(block=128))
+    assert (out.block, ref.block) == (256, 128)
+    torch.testing.assert_close(out.nll, ref.nll, rtol=0, atol=1e-5)
