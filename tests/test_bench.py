@@ -6,6 +6,8 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
+
 from evictlab.store import REPO_ROOT
 
 
@@ -97,3 +99,22 @@ def test_recipe_probe_prints_every_measure_and_saves_the_weights(tmp_path: Path,
     cfg.vocab_size = 258
     load_model(GPT(cfg), weights)  # strict: every parameter, the smear logits included
     sys.modules.pop("recipe_probe", None)
+
+
+def test_a_run_reports_its_own_peak_rss_not_an_earlier_runs_in_the_same_process():
+    """joblib reuses its worker processes: a run starts the peak count again (reset_peak_rss), so the
+    peak after it is this run's, not the largest of the process's earlier runs."""
+    import subprocess
+
+    code = (
+        "import numpy as np\n"
+        "from evictlab.perf import peak_rss_bytes, reset_peak_rss\n"
+        "a = np.ones(400_000_000 // 8); before = peak_rss_bytes(); del a\n"
+        "ok = reset_peak_rss(); after = peak_rss_bytes()\n"
+        "print(ok, before, after)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    ok, before, after = out.stdout.split()
+    if ok != "True":
+        pytest.skip("no /proc/self/clear_refs here: the peak counts from the process's start")
+    assert int(before) - int(after) > 300_000_000  # the 400 MB array no longer counts

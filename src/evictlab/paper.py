@@ -124,7 +124,20 @@ def markdown(frame: pd.DataFrame) -> str:
 def snapshot_tables(folder: Path) -> str:
     """`tables`: an experiment snapshot's tables (analysis/report.py) as the markdown its README quotes: the
     cost per position mode, per training where several, the rows its figures.yaml sets `against` the
-    others, NLL by position `bands`, pass-key recall, and the paired cache / original ratios."""
+    others, NLL by position `bands`, pass-key recall, and the paired cache / original ratios. A snapshot
+    of several stream lengths (long_stream and long_stream_1m) gets them once per length."""
+    tables, wanted = load_tables(folder / "snapshot"), load_spec(folder).get("tables", {})
+    lengths = sorted(tables["streams"]["stream_len"].unique()) if "stream_len" in tables["streams"] else []
+    if len(lengths) < 2:
+        return _tables_text(folder.name, tables, wanted)
+    parts = []
+    for n in lengths:
+        one = {k: t[t["stream_len"] == n] if "stream_len" in t else t for k, t in tables.items()}
+        parts.append(_tables_text(f"{folder.name}, streams of {int(n) - 1:,} predictions", one, wanted))
+    return "\n".join(parts)
+
+
+def _tables_text(name: str, tables: dict[str, pd.DataFrame], wanted: dict) -> str:
     from evictlab.analysis import stats as S
     from evictlab.analysis.report import (
         band_table,
@@ -135,9 +148,8 @@ def snapshot_tables(folder: Path) -> str:
         units_line,
     )
 
-    tables, wanted = load_tables(folder / "snapshot"), load_spec(folder).get("tables", {})
     out = [
-        f"## {folder.name}: perplexity (perplexity / full-cache perplexity [95% paired CI])",
+        f"## {name}: perplexity (perplexity / full-cache perplexity [95% paired CI])",
         units_line(tables),
     ]
     modes = sorted(tables["streams"]["position_mode"].unique(), key=["original", "cache"].index)

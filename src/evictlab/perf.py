@@ -57,9 +57,29 @@ def matmul_flops_per_s(n: int = 1024, seconds: float = 0.5, dtype: torch.dtype =
 
 
 def peak_rss_bytes() -> int:
-    """Peak resident memory of this process so far."""
+    """Peak resident memory of this process since it started or since `reset_peak_rss` (Linux: VmHWM)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return peak if sys.platform == "darwin" else peak * 1024
+
+
+def reset_peak_rss() -> bool:
+    """Start the peak-RSS count again from the current RSS (Linux >= 4.0: /proc/self/clear_refs), so a
+    run in a worker process that ran others before (joblib reuses its workers) reports its own peak, not
+    the largest of the process's earlier runs. False where it cannot (the peak then counts from the
+    process's start)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
 
 
 def cpu_name() -> str:

@@ -43,7 +43,7 @@ from evictlab.eval.sinks import PRETRAINED_CONTEXT, cached_sink_metrics
 from evictlab.eval.spec import check_positions
 from evictlab.identity import is_done, run_dir, run_key
 from evictlab.models.gpt import GPT
-from evictlab.perf import build_info, set_threads
+from evictlab.perf import build_info, reset_peak_rss, set_threads
 from evictlab.store import (
     file_lock,
     git_info,
@@ -173,6 +173,7 @@ class RunStages:
     out: Path
 
     def run(self) -> dict[str, Any]:
+        reset_peak_rss()  # this run's peak, not an earlier run's in the same worker process
         clock = StageClock()
         with clock("subject"):  # corpus and checkpoint (loaded, or trained once)
             corpus, ck, model = self.subject()
