@@ -172,7 +172,21 @@ QUOTED_TABLES = {
     "streaming_quality": ["streaming_quality", "position_modes"],
     "smollm2_recall": ["smollm2_recall"],
     "recall": ["recall"],
+    "long_stream": ["long_stream"],
 }
+
+
+def test_tables_print_a_snapshot_of_several_stream_lengths_once_per_length(capsys):
+    """long_stream holds 65,536- and 2^20-token runs: each length gets its own tables (one cell never pools
+    runs of two lengths)."""
+    assert paper.main(["tables", "--only", "long_stream"]) == 0
+    out = capsys.readouterr().out
+    heads = [line for line in out.splitlines() if line.startswith("## ")]
+    assert [h.split(":")[0] for h in heads] == [
+        "## long_stream, streams of 65,536 predictions",
+        "## long_stream, streams of 1,048,576 predictions",
+    ]
+    assert "CIs over 4 stream(s)" in out and "CIs over 1 stream(s)" in out
 
 
 @pytest.mark.parametrize("name", sorted(QUOTED_TABLES))
