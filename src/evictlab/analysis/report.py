@@ -191,9 +191,10 @@ def band_table(tables: dict[str, pd.DataFrame], edges: list[int]) -> pd.DataFram
     a later point), token-weighted from `curves` (each log-spaced bucket counted in the band of its first
     position, all streams pooled): where along a long stream a policy holds or fails."""
     c, streams = tables["curves"], tables["streams"]
-    ref_label = None
+    from_runs = False
     if not S.is_reference(streams).any() and "nll_full" in c and c["nll_full"].notna().any():
-        c, streams, ref_label = _reference_from_runs(c, streams, tables.get("results"))
+        c, streams = _reference_from_runs(c, streams, tables.get("results"))
+        from_runs = True
     width = S.bucket_width(c)
     cuts = [0, *edges, np.inf]
     names = [f"< {edges[0]:,}"] + [f"{a:,} - {b - 1:,}" for a, b in zip(edges, edges[1:], strict=False)]
@@ -217,8 +218,8 @@ def band_table(tables: dict[str, pd.DataFrame], edges: list[int]) -> pd.DataFram
     ref = t["strategy"].map(P.is_reference)
     t["budget"] = ["-" if r else f"{int(b):,}" for r, b in zip(ref, t["budget"], strict=True)]
     t["policy"] = t["strategy"].map(P.label)
-    if ref_label is not None:
-        t.loc[t["strategy"] == "full", ["policy", "position_mode"]] = [ref_label, "both"]
+    if from_runs:  # the runs' reference: one computation whatever their position mode
+        t.loc[t["strategy"] == "full", "position_mode"] = "both"
     cols = ["policy", "budget", "position_mode", "perplexity", *[n for n in names if n in t]]
     out = t[cols].rename(columns={"position_mode": "mode"}).set_index("policy")
     for col in out.columns[3:]:
@@ -233,26 +234,22 @@ def _reference_from_runs(curves: pd.DataFrame, streams: pd.DataFrame, results: p
     """A sweep without a full-cache run (its streams outrun the reference's cap): the full cache's rows from
     the reference every run carries (`nll_full`, over the predictions the cap covers), taken from the first
     policy's runs at one budget and mode, as `nll_vs_position` draws it. -> curves, streams with the rows
-    added as strategy "full", and its label (naming how far it goes)."""
+    added as strategy "full", labelled with how far the reference goes."""
     P = S.PolicyOrder(streams)
     first = P.ordered(streams["strategy"])[0]
     one = streams[streams["strategy"] == first]
     one = one[(one["budget"] == one["budget"].min()) & (one["position_mode"] == one["position_mode"].iloc[0])]
     keys = ["budget", "position_mode", "strategy"]
     pick = curves.merge(one[keys].drop_duplicates(), on=keys)
-    facts = {"strategy": "full", "strategy_label": "full cache", "strategy_order": -1, "evicts": False}
-    ref_c = pick.dropna(subset=["nll_full"]).assign(nll=lambda f: f["nll_full"], **facts)
-    ref_s = one.assign(nll=one["nll_full"], **facts)
     cap = "cfg.eval.full_max_len"
     if results is not None and cap in results and results[cap].notna().any():
         label = f"full cache (reference, first {int(results[cap].min()):,} predictions)"
     else:
         label = "full cache (reference)"
-    return (
-        pd.concat([curves, ref_c], ignore_index=True),
-        pd.concat([streams, ref_s], ignore_index=True),
-        label,
-    )
+    facts = {"strategy": "full", "strategy_label": label, "strategy_order": -1, "evicts": False}
+    ref_c = pick.dropna(subset=["nll_full"]).assign(nll=lambda f: f["nll_full"], **facts)
+    ref_s = one.assign(nll=one["nll_full"], **facts)
+    return pd.concat([curves, ref_c], ignore_index=True), pd.concat([streams, ref_s], ignore_index=True)
 
 
 def mode_table(tables: dict[str, pd.DataFrame]) -> pd.DataFrame:
