@@ -382,6 +382,14 @@ def test_reports_render_in_a_real_browser(sweep: Path, tmp_path: Path, monkeypat
         assert int(seen["tables"]) >= 2 and "Headline numbers" in seen["headings"], seen
 
 
+def test_fixed_decimals_drop_the_sign_of_a_rounded_zero():
+    from evictlab.analysis.report import fixed
+
+    values = (-6e-9, 6e-9, -0.00012, float("nan"))
+    assert [fixed("{:.4f}", v) for v in values] == ["0.0000", "0.0000", "-0.0001", "-"]
+    assert fixed("{:,.0f}", -0.4) == "0" and fixed("{:,.0f}", 1234.0) == "1,234"
+
+
 def test_the_report_flags_thin_cis_formats_numbers_and_shares_only_shared_settings(sweep: Path):
     from evictlab.analysis.aggregate import subject_lines
     from evictlab.analysis.report import MIN_UNITS, headline_table, shared_settings

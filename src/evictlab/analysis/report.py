@@ -76,10 +76,19 @@ def headline_table(tables: dict[str, pd.DataFrame]) -> pd.DataFrame:
     t = t.sort_values([*prefix, "position_mode", "order", *setting, "budget"]).drop(columns="order")
     t["strategy"] = t["strategy"].map(P.label)
     for col, fmt in (("kl_mean", "{:.4f}"), ("agreement", "{:.3f}"), ("kv_KiB", "{:,.0f}")):
-        if col in t:  # fixed decimals: the full cache's KL reads 0.0000, not 6.022e-09
-            t[col] = [fmt.format(v) if pd.notna(v) else "-" for v in t[col]]
+        if col in t:  # fixed decimals: the full cache's KL reads 0.0000, not 6.022e-09 (nor -0.0000)
+            t[col] = [fixed(fmt, v) for v in t[col]]
     t["budget"] = t["budget"].astype(int)
     return t.rename(columns={"n": "units (seed x stream)", "clusters": "training runs"})
+
+
+def fixed(fmt: str, v: float) -> str:
+    """v in a fixed-decimal format, "-" when missing, without the sign of a value that rounds to zero (the
+    full cache's KL against its reference is -6e-9 on one machine, +6e-9 on another)."""
+    if pd.isna(v):
+        return "-"
+    text = fmt.format(v)
+    return text[1:] if text.startswith("-") and float(text.replace(",", "")) == 0 else text
 
 
 def _interval(point: float, low: float, high: float) -> str:
