@@ -315,6 +315,33 @@ def test_shared_reference_is_computed_once_and_read_by_later_runs(model, tokens,
     assert third.computed == 2 and other.computed == 1 and len(list(tmp_path.glob("*.safetensors"))) == 3
 
 
+def test_a_batch_reference_log_probs_are_released_once_the_batch_is_streamed(model, tokens, monkeypatch):
+    """A run keeps each batch's full-cache NLL, never its [B, n, vocab] log-probs past that batch (on
+    SmolLM2, 4.8 GB per batch): every batch's log-probs are gone by the end, and the full cache's NLL and
+    the per-token numbers equal a run in one batch."""
+    import gc
+    import weakref
+
+    from evictlab.eval import evaluate as E
+
+    held, compute = [], E.reference_for
+
+    def tracked(*args, **kwargs):
+        ref = compute(*args, **kwargs)
+        held.append(weakref.ref(ref.logp))
+        return ref
+
+    monkeypatch.setattr(E, "reference_for", tracked)
+    spec = StreamSpec(diagnostics=False, batch_size=1)
+    one_by_one = E.run_batches(model, tokens, make_policy("h2o"), 8, spec)
+    gc.collect()
+    assert len(held) == 2 and all(r() is None for r in held)
+    together = evaluate(model, tokens, make_policy("h2o"), 8, StreamSpec(diagnostics=False, batch_size=2))
+    per_token = E.collect_per_token(one_by_one, tokens)
+    np.testing.assert_allclose(per_token["nll_full"], together.per_token["nll_full"], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(per_token["nll"], together.per_token["nll"], rtol=1e-5, atol=1e-6)
+
+
 def test_shared_reference_with_attention_rows(model, tokens, tmp_path, monkeypatch):
     """With diagnostics on the shared entry holds the attention rows too: a later run's attention-lost
     diagnostic and the oracle (its future attention derived on load) equal what they compute alone."""

@@ -17,7 +17,7 @@ from evictlab.cache.budget import budgets_for
 from evictlab.cache.policies import Policy, full_cache
 from evictlab.errors import ConfigError
 from evictlab.eval.engine import StreamOutput, generate, stream
-from evictlab.eval.full import FullReference, full_reference
+from evictlab.eval.full import FullAttention, FullReference, full_reference
 from evictlab.eval.shared import SharedReferences
 from evictlab.eval.spec import DEFAULT, StreamSpec, check_reference_cap
 from evictlab.eval.static import full_logp
@@ -43,12 +43,31 @@ class EvalResult:
 
 
 @dataclass
+class KeptReference:
+    """What a run keeps of one batch's full-cache reference once the batch is streamed: the full cache's
+    NLL of each true next token and its attention summaries, not its log-probs over the vocabulary (for
+    SmolLM2, 2 streams x 12,288 predictions x 49,152 = 4.8 GB per batch: a run of two batches held both
+    until it ended, 11.8 GB of RSS)."""
+
+    streams: int  # rows of the batch
+    nll: np.ndarray  # [B, m] float32, m = the predictions the reference covers
+    attention: FullAttention | None
+
+    @staticmethod
+    def of(ref: FullReference, batch: torch.Tensor) -> KeptReference:
+        B, m = ref.logp.shape[:2]
+        tgt = batch[:, 1 : m + 1, None].to(ref.logp.device)
+        nll = (-ref.logp.gather(-1, tgt)[..., 0]).float().cpu().numpy()
+        return KeptReference(B, nll, ref.attention)
+
+
+@dataclass
 class Batches:
-    """What streaming every batch produced: one StreamOutput and one full-cache reference per batch."""
+    """What streaming every batch produced: one StreamOutput and what is kept of its full-cache reference."""
 
     starts: list[int]  # first row of each batch
     outs: list[StreamOutput]
-    refs: list[FullReference]
+    refs: list[KeptReference]
     seconds: float
 
     def cat(self, name: str) -> np.ndarray | None:
@@ -57,7 +76,7 @@ class Batches:
 
     def sizes(self) -> list[int]:
         """Streams per batch (the weights of per-batch means)."""
-        return [r.logp.shape[0] for r in self.refs]
+        return [r.streams for r in self.refs]
 
 
 def reference_for(
@@ -93,9 +112,11 @@ def run_batches(
     starts = list(range(0, tokens.shape[0], spec.batch_size))
     for b0 in tqdm(starts, desc=f"{policy.name} b={budget}", disable=not spec.progress, unit="batch"):
         batch = tokens[b0 : b0 + spec.batch_size]
-        refs.append(reference_for(model, batch, policy, spec, shared))
+        ref = reference_for(model, batch, policy, spec, shared)
         doc = torch.arange(b0, b0 + batch.shape[0], device=tokens.device)
-        outs.append(stream(model, batch, policy, budget, spec, reference=refs[-1], doc=doc))
+        outs.append(stream(model, batch, policy, budget, spec, reference=ref, doc=doc))
+        refs.append(KeptReference.of(ref, batch))
+        del ref  # (its log-probs go before the next batch's arrive)
     return Batches(starts, outs, refs, time.perf_counter() - start)
 
 
@@ -105,9 +126,7 @@ def collect_per_token(b: Batches, tokens: torch.Tensor) -> dict[str, np.ndarray]
     if "kl" in per_token:
         full = np.full(per_token["nll"].shape, np.nan, dtype=np.float32)  # NaN past the reference's cap
         for r, b0 in zip(b.refs, b.starts, strict=True):
-            B, m = r.logp.shape[:2]
-            tgt = tokens[b0 : b0 + B, 1 : m + 1, None].to(r.logp.device)
-            full[b0 : b0 + B, :m] = (-r.logp.gather(-1, tgt)[..., 0]).float().cpu().numpy()
+            full[b0 : b0 + r.streams, : r.nll.shape[1]] = r.nll
         per_token["nll_full"] = full
     return per_token
 
@@ -173,9 +192,7 @@ def layer_table(b: Batches, per_token: dict[str, np.ndarray]) -> pd.DataFrame:
                 for l, x in enumerate(by_layer)
             ]
     if b.refs[0].attention is not None:
-        first = [
-            r.attention.first_position_mass().float().cpu() * r.logp.shape[0] for r in b.refs
-        ]  # by streams
+        first = [r.attention.first_position_mass().float().cpu() * r.streams for r in b.refs]  # by streams
         per_head = (torch.stack(first).sum(0) / sum(b.sizes())).numpy()  # [L, H]
         rows += [
             {"layer": l, "head": h, "metric": "first_position_mass", "value": float(per_head[l, h])}
