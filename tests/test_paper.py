@@ -208,6 +208,7 @@ QUOTED_TABLES = {
     "smollm2_recall": ["smollm2_recall"],
     "recall": ["recall"],
     "long_stream": ["long_stream"],
+    "smollm2_long": ["smollm2_long"],
 }
 
 
