@@ -337,7 +337,7 @@ def test_a_batch_reference_log_probs_are_released_once_the_batch_is_streamed(mod
     gc.collect()
     assert len(held) == 2 and all(r() is None for r in held)
     together = evaluate(model, tokens, make_policy("h2o"), 8, StreamSpec(diagnostics=False, batch_size=2))
-    per_token = E.collect_per_token(one_by_one, tokens)
+    per_token = E.collect_per_token(one_by_one)
     np.testing.assert_allclose(per_token["nll_full"], together.per_token["nll_full"], rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(per_token["nll"], together.per_token["nll"], rtol=1e-5, atol=1e-6)
 

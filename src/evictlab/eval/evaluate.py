@@ -120,7 +120,7 @@ def run_batches(
     return Batches(starts, outs, refs, time.perf_counter() - start)
 
 
-def collect_per_token(b: Batches, tokens: torch.Tensor) -> dict[str, np.ndarray]:
+def collect_per_token(b: Batches) -> dict[str, np.ndarray]:
     """The per-token arrays of every batch, joined: [N, n] (or [N, n, L]) each, plus the full cache's NLL."""
     per_token = {k: v for k in PER_TOKEN if (v := b.cat(k)) is not None}
     if "kl" in per_token:
@@ -224,7 +224,7 @@ def evaluate(
     """Stream every row of tokens [N, T] under the policy, in batches, against the full cache (its
     log-probs read from `shared` when another run of the sweep computed them)."""
     b = run_batches(model, tokens, policy, budget, spec, shared)
-    per_token = collect_per_token(b, tokens)
+    per_token = collect_per_token(b)
     summary = summarize(model, policy, budget, spec, tokens, b, per_token)
     return EvalResult(per_token, summary, layer_table(b, per_token), attention_by_key(b))
 
