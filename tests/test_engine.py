@@ -452,3 +452,54 @@ def test_a_wider_model_gets_larger_window_blocks_on_the_parallel_path_only():
     ref = stream(model, tokens, make_policy("window"), 16, StreamSpec(block=128))
     assert (out.block, ref.block) == (256, 128)
     torch.testing.assert_close(out.nll, ref.nll, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "name, settings, path",
+    [
+        ("window", {"block": 8}, "parallel"),
+        ("h2o", {"block": 8}, "blocked"),
+        ("h2o", {"force_loop": True}, "loop"),
+        ("recompute_window", {"block": 8}, "recompute"),
+    ],
+)
+def test_every_path_ticks_each_token_step_once(model, tokens, name, settings, path):
+    """A progress bar's count: each path reports every (stream, step) exactly once, block by block."""
+    ticks: list[int] = []
+    out = stream(model, tokens, make_policy(name), 6, StreamSpec(**settings), tick=ticks.append)
+    assert out.path == path
+    B, T = tokens.shape
+    assert sum(ticks) == B * (T - 1)
+    n, W = T - 1, 6 + 1  # recompute: steps 0 .. W-1 in one forward, then blocks of 8
+    blocks = {"loop": n, "recompute": 1 + math.ceil((n - W) / 8)}.get(path, math.ceil(n / 8))
+    assert len(ticks) == blocks
+
+
+def test_a_run_logs_its_progress_and_time_left(model, tokens, caplog, monkeypatch):
+    """Every batch logs its reference and its streaming time; while streaming, a line with the count, the
+    rate and the time left (every LOG_EVERY_S seconds: here every tick)."""
+    import logging
+
+    from evictlab.eval import progress
+
+    monkeypatch.setattr(progress, "LOG_EVERY_S", 0.0)
+    with caplog.at_level(logging.INFO, logger="evictlab"):
+        evaluate(model, tokens, make_policy("h2o"), 6, StreamSpec(batch_size=1, block=8, diagnostics=False))
+    lines = [r.getMessage() for r in caplog.records]
+    n = tokens.shape[1] - 1
+    assert sum("full-cache reference ready" in x for x in lines) == 2
+    assert any(x.startswith("h2o b=6, batch 2/2 (1 x 33 tokens): streamed in") for x in lines)
+    counts = [x for x in lines if "token-steps (" in x]
+    assert counts[0].startswith(f"h2o b=6: 8/{2 * n:,} token-steps (12%), ")
+    assert counts[-1].startswith(f"h2o b=6: {2 * n}/{2 * n} token-steps (100%), ")
+    assert counts[-1].endswith("streaming ~0 s left")
+
+
+def test_progress_time_left_counts_streaming_time_only():
+    from evictlab.eval.progress import StreamProgress, duration
+
+    p = StreamProgress(total=100, desc="x", log_every_s=1e9)
+    p.streaming_s, p.since, p.done = 10.0, None, 25  # 25 steps in 10 s of streaming, paused since
+    assert p.line() == "x: 25/100 token-steps (25%), 2.5/s, streaming ~30 s left"
+    assert [duration(s) for s in (42, 750, 11_520)] == ["42 s", "12.5 min", "3.2 h"]
+    p.close()

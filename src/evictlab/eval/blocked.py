@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from evictlab.cache.policies import Policy
-from evictlab.eval.full import FullReference, Recorder
+from evictlab.eval.full import FullReference, Recorder, Tick
 from evictlab.eval.loop import TokenLoop
 from evictlab.eval.spec import PositionMode
 from evictlab.models.gpt import GPT, CausalSelfAttention
@@ -64,11 +64,12 @@ def stream_blocked(
     ref: FullReference | None,
     doc: torch.Tensor,
     block: int,
+    tick: Tick | None = None,
 ) -> tuple[dict[str, torch.Tensor], TokenLoop]:
     """Stream tokens [B, T] on the blocked path, `block` steps at a time -> (metrics, the loop state)."""
     inp, tgt = tokens[:, :-1], tokens[:, 1:]
     B, n = inp.shape
-    rec = Recorder(tgt, None, ref)
+    rec = Recorder(tgt, None, ref, tick)
     loop = TokenLoop(model, policy, budgets, mode, B, n, doc, ref)
     attend = BlockedLoop(loop)
     for s in range(0, n, block):

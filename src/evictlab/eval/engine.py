@@ -31,7 +31,7 @@ from evictlab.cache.budget import budgets_for
 from evictlab.cache.policies import Policy
 from evictlab.errors import ConfigError
 from evictlab.eval.blocked import stream_blocked
-from evictlab.eval.full import FullReference
+from evictlab.eval.full import FullReference, Tick
 from evictlab.eval.loop import stream_loop
 from evictlab.eval.spec import DEFAULT, PositionMode, StreamSpec, check_positions
 from evictlab.eval.static import stream_recompute, stream_static
@@ -111,7 +111,9 @@ def plan(policy: Policy, budget: int, spec: StreamSpec, n_layer: int, T: int, wi
     return Plan("loop", budgets, 1, compiled=spec.compile)
 
 
-Runner = Callable[..., StreamOutput]  # (model, tokens, policy, plan, reference, doc, spec) -> StreamOutput
+# (model, tokens, policy, plan, reference, doc, spec, tick) -> StreamOutput; `tick(token_steps)` after each
+# block (or token) the path records (eval/progress.py)
+Runner = Callable[..., StreamOutput]
 
 
 def _static_output(per_token: dict, tokens: torch.Tensor, p: Plan) -> StreamOutput:
@@ -121,23 +123,25 @@ def _static_output(per_token: dict, tokens: torch.Tensor, p: Plan) -> StreamOutp
     return StreamOutput(**per_token, occupancy=occupancy, path=p.path, budgets=list(p.budgets))
 
 
-def run_parallel(model, tokens, policy, p: Plan, reference, doc, spec: StreamSpec) -> StreamOutput:
+def run_parallel(model, tokens, policy, p: Plan, reference, doc, spec: StreamSpec, tick=None):
     windows = [policy.static_window(b) for b in p.budgets]
     cache_mode = spec.position_mode is PositionMode.cache
     ablate = (policy.part, policy.ablated(len(windows))) if policy.ablation else None
-    per_token = stream_static(model, tokens, windows, reference, p.block, cache_mode, ablate)
+    per_token = stream_static(model, tokens, windows, reference, p.block, cache_mode, ablate, tick)
     return _static_output(per_token, tokens, p)
 
 
-def run_recompute(model, tokens, policy, p: Plan, reference, doc, spec: StreamSpec) -> StreamOutput:
-    per_token = stream_recompute(model, tokens, p.budgets[0] + 1, reference, p.block, n_sink=policy.n_sink)
+def run_recompute(model, tokens, policy, p: Plan, reference, doc, spec: StreamSpec, tick=None):
+    per_token = stream_recompute(
+        model, tokens, p.budgets[0] + 1, reference, p.block, n_sink=policy.n_sink, tick=tick
+    )
     return _static_output(per_token, tokens, p)
 
 
-def run_blocked(model, tokens, policy, p: Plan, reference, doc, spec: StreamSpec) -> StreamOutput:
+def run_blocked(model, tokens, policy, p: Plan, reference, doc, spec: StreamSpec, tick=None):
     budgets = list(p.budgets)
     per_token, loop = stream_blocked(
-        model, tokens, policy, budgets, spec.position_mode, reference, doc, p.block
+        model, tokens, policy, budgets, spec.position_mode, reference, doc, p.block, tick
     )
     return StreamOutput(
         **per_token,
@@ -149,10 +153,10 @@ def run_blocked(model, tokens, policy, p: Plan, reference, doc, spec: StreamSpec
     )
 
 
-def run_loop(model, tokens, policy, p: Plan, reference, doc, spec: StreamSpec) -> StreamOutput:
+def run_loop(model, tokens, policy, p: Plan, reference, doc, spec: StreamSpec, tick=None):
     budgets, mode = list(p.budgets), spec.position_mode
     per_token, loop, _ = stream_loop(
-        model, tokens, policy, budgets, mode, reference, doc, progress=spec.progress, compile=p.compiled
+        model, tokens, policy, budgets, mode, reference, doc, compile=p.compiled, tick=tick
     )
     return StreamOutput(
         **per_token,
@@ -183,11 +187,13 @@ def stream(
     *,
     reference: FullReference | None = None,
     doc: torch.Tensor | None = None,
+    tick: Tick | None = None,
 ) -> StreamOutput:
     """Stream tokens [B, T] (each row a document starting with its prefix) under `policy` at `budget`.
 
     `reference` (from `full_reference`) enables KL / agreement / attention diagnostics; a policy that
-    `needs_future` needs one with its attention rows. `doc`: the rows' global document indices.
+    `needs_future` needs one with its attention rows. `doc`: the rows' global document indices. `tick`
+    is told the token-steps of each block as it is recorded (a progress bar's update).
     """
     check_positions(model.cfg, spec.position_mode)
     B, T = tokens.shape
@@ -201,7 +207,7 @@ def stream(
     doc = doc if doc is not None else torch.arange(B, device=tokens.device)
     model.eval()
     start = time.perf_counter()
-    out = RUNNERS[p.path](model, tokens, policy, p, reference, doc, spec)
+    out = RUNNERS[p.path](model, tokens, policy, p, reference, doc, spec, tick)
     seconds = time.perf_counter() - start
     first4_mass = None
     if reference is not None and reference.attention is not None:  # NaN past the steps the reference covers

@@ -4,6 +4,7 @@ the task metrics built on the engine (greedy divergence from the full cache, pas
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import time
 from dataclasses import dataclass
@@ -11,18 +12,20 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 import torch
-from tqdm.auto import tqdm
 
 from evictlab.cache.budget import budgets_for
 from evictlab.cache.policies import Policy, full_cache
 from evictlab.errors import ConfigError
 from evictlab.eval.engine import StreamOutput, generate, stream
 from evictlab.eval.full import FullAttention, FullReference, full_reference
+from evictlab.eval.progress import StreamProgress, duration
 from evictlab.eval.shared import SharedReferences
 from evictlab.eval.spec import DEFAULT, StreamSpec, check_reference_cap
 from evictlab.eval.static import full_logp
 from evictlab.models.gpt import GPT
 from evictlab.perf import peak_rss_bytes
+
+log = logging.getLogger(__name__)
 
 PER_TOKEN = ("nll", "correct", "kl", "agree", "lost", "first4_mass")  # StreamOutput fields kept per token
 
@@ -110,13 +113,23 @@ def run_batches(
     outs, refs = [], []
     start = time.perf_counter()
     starts = list(range(0, tokens.shape[0], spec.batch_size))
-    for b0 in tqdm(starts, desc=f"{policy.name} b={budget}", disable=not spec.progress, unit="batch"):
+    N, T = tokens.shape
+    progress = StreamProgress(N * (T - 1), f"{policy.name} b={budget}", bar=spec.progress)
+    for i, b0 in enumerate(starts):
         batch = tokens[b0 : b0 + spec.batch_size]
+        what = f"{policy.name} b={budget}, batch {i + 1}/{len(starts)} ({batch.shape[0]} x {T:,} tokens)"
+        t0 = time.perf_counter()
         ref = reference_for(model, batch, policy, spec, shared)
+        log.info("%s: full-cache reference ready in %s", what, duration(time.perf_counter() - t0))
         doc = torch.arange(b0, b0 + batch.shape[0], device=tokens.device)
-        outs.append(stream(model, batch, policy, budget, spec, reference=ref, doc=doc))
+        progress.resume()
+        out = stream(model, batch, policy, budget, spec, reference=ref, doc=doc, tick=progress)
+        progress.pause()
+        log.info("%s: streamed in %s on the %s path", what, duration(out.seconds), out.path)
+        outs.append(out)
         refs.append(KeptReference.of(ref, batch))
         del ref  # (its log-probs go before the next batch's arrive)
+    progress.close()
     return Batches(starts, outs, refs, time.perf_counter() - start)
 
 

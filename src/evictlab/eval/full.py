@@ -4,6 +4,7 @@ agreement with the full cache)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -11,6 +12,8 @@ import torch.nn.functional as F
 
 from evictlab.models.gpt import GPT, CausalSelfAttention
 from evictlab.models.rope import Rope
+
+Tick = Callable[[int], None]  # told each block's token-steps as they are recorded (eval/progress.py)
 
 N_FIRST = 4  # the first positions whose full-cache attention `first4_mass` measures
 ROW_BYTES = 256 << 20  # attention rows a reference computes (and keeps) at once, summed over its layers
@@ -186,9 +189,13 @@ class Recorder:
     does."""
 
     def __init__(
-        self, tgt: torch.Tensor, windows: list[tuple[int, int | None]] | None, ref: FullReference | None
+        self,
+        tgt: torch.Tensor,
+        windows: list[tuple[int, int | None]] | None,
+        ref: FullReference | None,
+        tick: Tick | None = None,
     ):
-        self.tgt, self.windows, self.ref = tgt, windows, ref
+        self.tgt, self.windows, self.ref, self.tick = tgt, windows, ref, tick
         self.covered = 0 if ref is None else ref.logp.shape[1]  # the reference covers steps < covered
         self.out: dict[str, torch.Tensor] = {}
 
@@ -204,6 +211,8 @@ class Recorder:
         e = s + logp.shape[1]
         for name, value in token_metrics(logp, self.tgt[:, s:e], None).items():
             self._write(name, s, value)
+        if self.tick is not None:  # (eval/progress.py)
+            self.tick(logp.shape[0] * logp.shape[1])
         if self.ref is None or s >= self.covered:
             return
         c = min(e, self.covered)

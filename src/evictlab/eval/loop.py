@@ -22,11 +22,10 @@ import warnings
 import numpy as np
 import torch
 import torch.nn.functional as F
-from tqdm.auto import tqdm
 
 from evictlab.cache.policies import Policy, StepContext, choose_victim
 from evictlab.eval.caches import SlotCache, ranks
-from evictlab.eval.full import FullReference, gather_rows, token_metrics
+from evictlab.eval.full import FullReference, Tick, gather_rows, token_metrics
 from evictlab.eval.spec import PositionMode
 from evictlab.models.gpt import GPT, CausalSelfAttention
 from evictlab.models.rope import Rope, rotate
@@ -224,8 +223,8 @@ def stream_loop(
     ref: FullReference | None,
     doc: torch.Tensor,
     generate_from: int | None = None,
-    progress: bool = False,
     compile: bool = False,
+    tick: Tick | None = None,
 ):
     """Stream tokens [B, T] through the token loop -> (per-token metrics [B, n] by name, the loop).
     Metrics against the full cache are NaN past the steps its reference covers.
@@ -245,7 +244,7 @@ def stream_loop(
     per_token = {name: loop.like.new_full((B, n), float("nan")) for name in names}
     steady_from = loop.steady_from()
     step, steady = loop.decode_one_token, False
-    for t in tqdm(range(n), desc=f"{policy.name} stream", unit="tok", disable=not progress, mininterval=2):
+    for t in range(n):
         if t == steady_from:
             steady = True
             loop.held[t:] = budgets
@@ -270,4 +269,6 @@ def stream_loop(
         metrics = token_metrics(logp, tgt[:, t], ref.logp[:, t] if t < covered else None)
         for name, value in metrics.items():
             per_token[name][:, t] = value
+        if tick is not None:
+            tick(B)
     return per_token, loop, tokens

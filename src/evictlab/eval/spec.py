@@ -31,7 +31,7 @@ class StreamSpec:
     batch_size: int = 16  # documents streamed together
     diagnostics: bool = True  # attention lost / sink mass (needs the full-cache attention matrices)
     force_loop: bool = False  # never take the parallel path (the token loop is the cross-check)
-    progress: bool = False  # a progress bar over the batches (and over long streams)
+    progress: bool = False  # a bar over the run's token-steps (a log line every 5 minutes either way)
     block: int = 2048  # queries per block on the static paths (memory O(block x (block + budget)))
     full_max_len: int = 4096  # the full-cache reference covers at most this many predictions per stream
     compile: bool = False  # the token loop with its steady-state step compiled (instead of the blocked path)

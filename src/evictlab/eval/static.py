@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from evictlab.eval.caches import BandCache
-from evictlab.eval.full import Recorder
+from evictlab.eval.full import Recorder, Tick
 from evictlab.models.gpt import GPT, CausalSelfAttention
 from evictlab.models.rope import Rope
 
@@ -95,13 +95,14 @@ def stream_static(
     block: int,
     cache_mode: bool = False,
     ablate: tuple[str, list[bool]] | None = None,
+    tick: Tick | None = None,
 ):
     """Stream tokens [B, T] under per-layer static windows, `block` queries at a time -> metrics by name;
     `cache_mode`: positions re-indexed inside the cache (see _BandAttention); `ablate`: bos_ablation's
     (part, per-layer flags)."""
     inp, tgt = tokens[:, :-1], tokens[:, 1:]
     n = inp.shape[1]
-    rec = Recorder(tgt, windows, ref)
+    rec = Recorder(tgt, windows, ref, tick)
     caches, rope = [BandCache(*w) for w in windows], Rope.for_model(model, tokens.device)
     attend = _BandAttention(caches, rope, cache_mode, ablate)
     for s in range(0, n, block):
@@ -124,7 +125,14 @@ def recompute_windows(inp: torch.Tensor, W: int, first: int, last: int, n_sink: 
 
 @torch.no_grad()
 def stream_recompute(
-    model: GPT, tokens: torch.Tensor, W: int, ref, block: int, chunk_tokens: int = 2048, n_sink: int = 0
+    model: GPT,
+    tokens: torch.Tensor,
+    W: int,
+    ref,
+    block: int,
+    chunk_tokens: int = 2048,
+    n_sink: int = 0,
+    tick: Tick | None = None,
 ):
     """Window of the last W = budget + 1 tokens, re-encoded at positions 0 .. W-1 for every prediction (the
     StreamingLLM paper's baseline, in both position modes: RoPE scores depend only on distances, and
@@ -138,7 +146,7 @@ def stream_recompute(
     """
     inp, tgt = tokens[:, :-1], tokens[:, 1:]
     B, n = inp.shape
-    rec = Recorder(tgt, [(n_sink, W - 1 - n_sink)] * model.cfg.n_layer, ref)
+    rec = Recorder(tgt, [(n_sink, W - 1 - n_sink)] * model.cfg.n_layer, ref, tick)
     rec.add(0, model(inp[:, : min(W, n)]))  # steps 0 .. W-1: the window is the prefix
     rows_per_chunk = max(1, chunk_tokens // W)
     for s in range(W, n, block):
