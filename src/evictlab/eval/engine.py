@@ -123,7 +123,9 @@ def _static_output(per_token: dict, tokens: torch.Tensor, p: Plan) -> StreamOutp
     return StreamOutput(**per_token, occupancy=occupancy, path=p.path, budgets=list(p.budgets))
 
 
-def run_parallel(model, tokens, policy, p: Plan, reference, doc, spec: StreamSpec, tick=None):
+def run_parallel(
+    model, tokens, policy, p: Plan, reference, doc, spec: StreamSpec, tick: Tick | None = None
+) -> StreamOutput:
     windows = [policy.static_window(b) for b in p.budgets]
     cache_mode = spec.position_mode is PositionMode.cache
     ablate = (policy.part, policy.ablated(len(windows))) if policy.ablation else None
@@ -131,14 +133,18 @@ def run_parallel(model, tokens, policy, p: Plan, reference, doc, spec: StreamSpe
     return _static_output(per_token, tokens, p)
 
 
-def run_recompute(model, tokens, policy, p: Plan, reference, doc, spec: StreamSpec, tick=None):
+def run_recompute(
+    model, tokens, policy, p: Plan, reference, doc, spec: StreamSpec, tick: Tick | None = None
+) -> StreamOutput:
     per_token = stream_recompute(
         model, tokens, p.budgets[0] + 1, reference, p.block, n_sink=policy.n_sink, tick=tick
     )
     return _static_output(per_token, tokens, p)
 
 
-def run_blocked(model, tokens, policy, p: Plan, reference, doc, spec: StreamSpec, tick=None):
+def run_blocked(
+    model, tokens, policy, p: Plan, reference, doc, spec: StreamSpec, tick: Tick | None = None
+) -> StreamOutput:
     budgets = list(p.budgets)
     per_token, loop = stream_blocked(
         model, tokens, policy, budgets, spec.position_mode, reference, doc, p.block, tick
@@ -153,7 +159,9 @@ def run_blocked(model, tokens, policy, p: Plan, reference, doc, spec: StreamSpec
     )
 
 
-def run_loop(model, tokens, policy, p: Plan, reference, doc, spec: StreamSpec, tick=None):
+def run_loop(
+    model, tokens, policy, p: Plan, reference, doc, spec: StreamSpec, tick: Tick | None = None
+) -> StreamOutput:
     budgets, mode = list(p.budgets), spec.position_mode
     per_token, loop, _ = stream_loop(
         model, tokens, policy, budgets, mode, reference, doc, compile=p.compiled, tick=tick
