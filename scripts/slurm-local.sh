@@ -15,9 +15,11 @@ die() { echo "slurm-local: $*" >&2; exit 1; }
 install() {
     command -v slurmctld >/dev/null && command -v slurmd >/dev/null && command -v munged >/dev/null && return
     [ "$(id -u)" = 0 ] || die "slurm-wlm and munge are not installed and installing them needs root"
-    echo "slurm-local: installing slurm-wlm and munge (apt-get)"
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -q slurm-wlm munge >/dev/null \
-        || { apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q slurm-wlm munge >/dev/null; } \
+    echo "slurm-local: installing slurm-wlm and munge (apt-get, without their manual pages)"
+    # no manual pages: dataset=man_pages reads the installed ones, and 50 more would change its text
+    local apt=(apt-get install -y -q -o 'Dpkg::Options::=--path-exclude=/usr/share/man/*' slurm-wlm munge)
+    DEBIAN_FRONTEND=noninteractive "${apt[@]}" >/dev/null \
+        || { apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive "${apt[@]}" >/dev/null; } \
         || die "apt-get install slurm-wlm munge failed"
 }
 

@@ -157,7 +157,8 @@ def _man_pages(root: str = MAN_ROOT, cache: Path | None = None) -> list[Document
     """The English manual pages installed on this machine (man1 .. man9, gzipped troff), as text. With
     `cache`, the texts are kept in cache/man_pages-<key>.parquet, keyed by every page's path, size and
     modification time (parsing 22k pages takes ~20 s; a run reads them back in about 1 s)."""
-    files = sorted(glob.glob(os.path.join(root, "man[1-9]*", "*.gz")))
+    # (a link whose target is gone - an alternative whose page an install left out - is no page)
+    files = sorted(f for f in glob.glob(os.path.join(root, "man[1-9]*", "*.gz")) if os.path.exists(f))
     if not files:
         raise DataError(
             f"dataset kind man_pages: no manual pages under {root}/man*/ (install man-db/manpages)"
