@@ -16,6 +16,11 @@ fresh process, against a stated peak-RSS bound: SmolLM2-135M (model=smollm2_135m
 checkpoint cache on first use) over 4,096 tokens, and gpt_tiny's full cache over 32,768 tokens with the
 reference's cap raised to cover it. Random tokens: memory and speed do not depend on the text.
 
+Later-run row (`--later-run`): the wall time of a whole `python -m evictlab.run` on SmolLM2 (2 streams x
+512 tokens of man pages, budget 64, W&B off) once the checkpoint, the streams and the subject's sink metrics
+are cached, as for a sweep's second run on: in a fresh outputs folder a first run (window) computes them,
+then a second (H2O, the slowest path) is timed, each a fresh process; bound 60 s on 2 cores (issue 26).
+
 Writes outputs/bench/long.json and prints the tables that benchmarks/README.md quotes.
 """
 
@@ -23,8 +28,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import shlex
 import subprocess
 import sys
+import tempfile
 import time
 
 import torch
@@ -33,10 +41,31 @@ from evictlab.cache import make_policy
 from evictlab.eval import StreamSpec, stream
 from evictlab.models.gpt import GPT, GPTConfig
 from evictlab.perf import cpu_name, peak_rss_bytes, save_report, set_threads
-from evictlab.store import git_info
+from evictlab.store import REPO_ROOT, git_info
 
 GiB = 1024**3
 DIAG_BOUNDS = {"smollm2_135m": 4 * GiB, "gpt_tiny": 3 * GiB}  # issue 26: peak RSS with diagnostics on
+LATER_RUN = "model=smollm2_135m dataset=man_pages eval.n_streams=2 eval.stream_len=512 budget=b64"
+LATER_BOUND_S = 60.0  # issue 26: a later SmolLM2 run of 2 streams x 512 tokens, wall on 2 cores
+
+
+def later_run(overrides: str, first: str = "window", timed: str = "h2o") -> dict:
+    """Wall seconds of a first run (`first`: computes and caches the checkpoint, the streams and the sink
+    metrics) and of a later one (`timed`) in a fresh outputs folder, each a fresh `python -m evictlab.run`."""
+    args = [*shlex.split(overrides), "logger=none"]
+    walls = {}
+    with tempfile.TemporaryDirectory(prefix="evictlab-later-") as tmp:
+        env = {**os.environ, "EVICTLAB_OUTPUTS": tmp}
+        for policy in (first, timed):
+            cmd = [sys.executable, "-m", "evictlab.run", *args, f"strategy={policy}"]
+            start = time.perf_counter()
+            res = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True)
+            if res.returncode:
+                raise RuntimeError(f"{' '.join(cmd)} failed:\n{res.stderr[-2000:]}")
+            walls[policy] = time.perf_counter() - start
+    bound = LATER_BOUND_S if overrides == LATER_RUN else None
+    return {"overrides": overrides, "first_policy": first, "first_seconds": walls[first], "policy": timed,
+            "seconds": walls[timed], "bound_seconds": bound}  # fmt: skip
 
 
 def one(policy: str, length: int, budget: int, compile: bool, seed: int = 0) -> dict:
@@ -103,6 +132,11 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--no-compile", dest="compile", action="store_false", help="the engine's path (default)")
     ap.add_argument("--diag", default="smollm2_135m:h2o:4096,gpt_tiny:full:32768",
                     help="MODEL:POLICY:LENGTH rows evaluated with diagnostics on ('' to skip)")  # fmt: skip
+    ap.add_argument(
+        "--later-run",
+        default=LATER_RUN,
+        help="overrides of the later-run row: a run timed once the caches hold its subject ('' to skip)",
+    )
     ap.add_argument("--one", nargs=2, metavar=("POLICY", "LENGTH"), help=argparse.SUPPRESS)
     ap.add_argument("--one-diag", nargs=3, metavar=("MODEL", "POLICY", "LENGTH"), help=argparse.SUPPRESS)
     ap.add_argument("--out", default=None, help="JSON path (default outputs/bench/long.json)")
@@ -116,7 +150,7 @@ def main(argv: list[str] | None = None) -> dict:
         return {}
     lengths = [int(x) for x in args.lengths.split(",")]
     rows = []
-    for policy in args.policies.split(","):
+    for policy in filter(None, args.policies.split(",")):
         for length in lengths:
             rows.append(measure(policy, length, args.budget, args.compile))
             base = next(r for r in rows if r["policy"] == policy and r["length"] == lengths[0])
@@ -134,9 +168,12 @@ def main(argv: list[str] | None = None) -> dict:
         res = subprocess.run(cmd, capture_output=True, text=True, check=True)
         diag.append(json.loads(res.stdout.strip().splitlines()[-1]))
         print(diag_line(diag[-1]), file=sys.stderr)
+    later = later_run(args.later_run) if args.later_run else None
+    if later is not None:
+        print(later_line(later), file=sys.stderr)
     report = {"date": time.strftime("%Y-%m-%d"), "cpu": cpu_name(), "torch": torch.__version__,
               "budget": args.budget, "compile": args.compile, "git": git_info(), "rows": rows,
-              "diagnostics": diag}  # fmt: skip
+              "diagnostics": diag, "later_run": later}  # fmt: skip
     save_report(report, markdown_table(report), args.out, "long.json")
     return report
 
@@ -150,6 +187,15 @@ def line(r: dict) -> str:
 
 def within(r: dict) -> str:
     return "-" if r["bound_bytes"] is None else ("yes" if r["peak_rss_bytes"] <= r["bound_bytes"] else "NO")
+
+
+def later_line(r: dict) -> str:
+    bound = r["bound_seconds"]
+    within = "" if bound is None else f" (bound {bound:.0f} s: {'yes' if r['seconds'] <= bound else 'NO'})"
+    return (
+        f"later run ({r['overrides']}) strategy={r['policy']}: {r['seconds']:.1f} s wall{within}; "
+        f"the first run (strategy={r['first_policy']}, caches empty) {r['first_seconds']:.1f} s"
+    )
 
 
 def diag_line(r: dict) -> str:
@@ -177,6 +223,8 @@ def markdown_table(report: dict) -> str:
             bound = "-" if r["bound_bytes"] is None else f"{r['bound_bytes'] / GiB:.0f} GiB"
             head = f"| {r['model']} | {r['policy']} | {r['length']:,} | {r['path']} | {r['seconds']:.1f} | "
             lines.append(head + f"{r['peak_rss_bytes'] / GiB:.2f} GiB | {bound} | {within(r)} |")
+    if report.get("later_run"):
+        lines += ["", later_line(report["later_run"])]
     return "\n".join(lines)
 
 
