@@ -12,7 +12,8 @@ from evictlab.errors import ConfigError
 @dataclass
 class L2Norm(Policy):
     """Keep the keys with the lowest L2 norm (Devoto et al., 2024: low-norm keys draw high attention).
-    Score-free, so attention stays on the fused SDPA path. Optional sink and recent protection."""
+    Scored by each key's norm when it is written (`entry_state`), never by attention. Optional sink and
+    recent protection."""
 
     name: ClassVar[str] = "l2norm"
     order: ClassVar[int] = 7
