@@ -87,9 +87,14 @@ def sample_runs(results: pd.DataFrame, experiment: str, every: bool = False) -> 
             f"{group}={row['cfg.' + key]}" for key, group in GROUP_KEYS.items() if "cfg." + key in varying
         ]
         overrides = [f"+experiment={experiment}", *groups]  # config groups first, then values inside them
+        # an imported model (a GGUF or Hugging Face checkpoint) is never trained: its runs' train.* values
+        # change no number (runs from before train.threads was checked recorded 0, no longer accepted)
+        imported = isinstance(row.get("cfg.model.name_or_path"), str)
         for col in varying:
             key, v = col[4:], row[col]
             if key in GROUP_KEYS or v is None or (isinstance(v, float) and math.isnan(v)):
+                continue
+            if imported and key.startswith("train."):
                 continue
             if not key.startswith(("strategy.", "budget.")) or key.startswith("strategy.params."):
                 overrides.append(f"{key}={_value(v)}")
