@@ -4,23 +4,34 @@ Layer l at step t depends on layer l-1 at steps <= t and on layer l's own cache,
 So a block of steps can run layer by layer ("for each block: for each layer: for each step") instead of
 step by step ("for each step: for each layer"): every operation that touches the cache is the token
 loop's own code (`TokenLoop.step`: write, attend, evict), and everything else (the projections, the
-MLPs, the norms and the head) runs once per block as block-sized matmuls.
+MLPs, the norms and the head) runs once per block as block-sized matmuls. A stream runs in three parts:
+
+1. **fill** (steps 0 .. smallest budget - 1): no layer evicts, so each block's entries go to their slots
+   at once and its queries attend causally in one matmul; a policy that reads attention observes each
+   step's row with the loop's context (`BlockedLoop.fill`).
+2. **wavefront** (the rest, when every layer has the same budget and the policy needs no future): all
+   layers' steps at once, a block apart (eval/wavefront.py).
+3. otherwise, layer by layer and step by step (`BlockedLoop.__call__`).
 
 A policy that scores keys (`entry_state`) gets them projected one token at a time, as the loop projects
 them: equal tokens then have bit-identical keys and their ties break as in the loop.
 
 (A variant that replayed a score-free policy's evictions first and then attended once per block under a
-mask was measured no faster than this at make bench's workload, 2026-12-01, and was removed.)
+mask was measured no faster than part 3 at make bench's workload, 2026-12-01, and was removed.)
 """
 
 from __future__ import annotations
 
+import time
+
+import numpy as np
 import torch
 
-from evictlab.cache.policies import Policy
+from evictlab.cache.policies import Policy, StepContext
 from evictlab.eval.full import FullReference, Recorder, Tick
 from evictlab.eval.loop import TokenLoop
 from evictlab.eval.spec import PositionMode
+from evictlab.eval.wavefront import Wavefront, steady_start, wave_steps
 from evictlab.models.gpt import GPT, CausalSelfAttention
 
 
@@ -33,7 +44,17 @@ class BlockedLoop:
         self.pos: torch.Tensor | None = None  # the block's positions [m]
 
     def __call__(self, l: int, a: CausalSelfAttention, h: torch.Tensor) -> torch.Tensor:
-        loop, cache, pos = self.loop, self.loop.caches[l], self.pos
+        q, k, v, init = self.project(l, a, h, self.pos)
+        ys = []
+        for i, t in enumerate(self.pos.tolist()):
+            one = slice(i, i + 1)
+            ys.append(self.loop.step(l, t, q[:, :, one], k[:, :, one], v[:, :, one], _rows(init, one)))
+        return a.out(torch.cat(ys, 1))
+
+    def project(self, l: int, a: CausalSelfAttention, h: torch.Tensor, pos: torch.Tensor):
+        """Layer l's entries of a block at positions pos [m] from its normed input h [B, m, C] -> q [B, H, m,
+        D]; k, v [B, Hkv, m, D] (rotated at their positions in original mode); the policy's entry state."""
+        loop, cache = self.loop, self.loop.caches[l]
         q, k, v = a.project(h)  # [B, H, m, D], [B, Hkv, m, D] x2
         if self.exact_keys:
             k = torch.cat([a.project(h[:, i : i + 1])[1] for i in range(h.shape[1])], 2)
@@ -43,11 +64,62 @@ class BlockedLoop:
         init = loop.policy.entry_state(k) if cache.state else {}
         if loop.rotate_on_write:
             q, k = loop.rope(q, pos), loop.rope(k, pos)
-        ys = []
-        for i, t in enumerate(pos.tolist()):
-            one = slice(i, i + 1)
-            ys.append(loop.step(l, t, q[:, :, one], k[:, :, one], v[:, :, one], _rows(init, one)))
-        return a.out(torch.cat(ys, 1))
+        return q, k, v, init
+
+    def fill(self, l: int, a: CausalSelfAttention, h: torch.Tensor) -> torch.Tensor:
+        """Layer l over a block of steps in which no layer evicts (every position < the smallest budget): the
+        block's entries go to their slots at once (slot = position while nothing is evicted), its queries
+        attend causally in one matmul, and a policy that reads attention observes each step's row with the
+        token loop's context."""
+        loop, pos = self.loop, self.pos
+        cache, policy = loop.caches[l], loop.policy
+        s, e = int(pos[0]), int(pos[-1]) + 1
+        q, k, v, init = self.project(l, a, h, pos)  # [B, H, m, D], [B, Hkv, m, D] x2
+        cache.k[:, :, s:e] = loop.rope.to_pairs(k) if loop.reindex else k
+        cache.v[:, :, s:e] = v
+        cache.pos[:, :, s:e] = pos
+        for name, st in cache.state.items():
+            st[:, :, s:e] = init[name].to(st.dtype) if name in init else 0
+        if cache.rank is not None:
+            cache.rank[:, :, s:e] = pos
+        cache.count = cache.used = e
+        cache.free.fill_(e)
+        K, V = cache.k[:, :, :e], cache.v[:, :, :e]
+        if loop.reindex:  # nothing evicted yet: each entry's rank is its position
+            K = loop.rope.rotate_ranks(K, torch.arange(e, device=pos.device))
+            q = loop.rope.rotate_ranks(loop.rope.to_pairs(q), pos)
+        B, H, m, D = q.shape
+        Hkv = K.shape[1]
+        x = (q.view(B, Hkv, loop.groups * m, D) @ K.transpose(-1, -2)).mul_(loop.scale)
+        x = x.view(B, Hkv, loop.groups, m, e)
+        x.masked_fill_(torch.arange(e, device=pos.device) > pos[:, None], float("-inf"))
+        w = x.softmax(-1)
+        y = (w.view(B, Hkv, loop.groups * m, e) @ V).view(B, H, m, D).transpose(1, 2).reshape(B, m, H * D)
+        loop.held[s:e, l] = np.arange(s + 1, e + 1)
+        if loop.lost is not None and s < loop.lost.covered:
+            c = min(e, loop.lost.covered) - s
+            held = cache.pos[:, :, None, :e].expand(B, Hkv, c, e)
+            held = held.masked_fill(held > pos[:c, None], -1)  # step t holds positions 0 .. t
+            loop.lost.values[:, s : s + c, l] = 1 - loop.lost.attention.held_mass_steps(l, s, held).mean(1)
+        if policy.evicts and policy.needs_attention:
+            start = time.perf_counter()
+            row = w[:, :, 0] if loop.groups == 1 else w.mean(2)  # [B, Hkv, m, e]
+            for i, t in enumerate(range(s, e)):
+                u = t + 1  # the slots written by step t
+                ctx = StepContext(
+                    t=t,
+                    layer=l,
+                    budget=loop.budgets[l],
+                    pos=cache.pos[:, :, :u],
+                    keys=cache.k[:, :, :u],
+                    attn=row[:, :, i, :u],
+                    state={name: st[:, :, :u] for name, st in cache.state.items()},
+                    doc=loop.doc,
+                    future=loop.future_of(l, t),
+                )
+                policy.observe(ctx)
+            loop.policy_seconds += time.perf_counter() - start
+        return a.out(y)
 
 
 def _rows(init: dict[str, torch.Tensor], one: slice) -> dict[str, torch.Tensor]:
@@ -65,17 +137,26 @@ def stream_blocked(
     doc: torch.Tensor,
     block: int,
     tick: Tick | None = None,
+    wavefront: bool = True,
 ) -> tuple[dict[str, torch.Tensor], TokenLoop]:
-    """Stream tokens [B, T] on the blocked path, `block` steps at a time -> (metrics, the loop state)."""
+    """Stream tokens [B, T] on the blocked path, `block` steps at a time -> (metrics, the loop state).
+    With `wavefront`, the steps from which every layer's cache is full run as a wavefront over layers
+    (eval/wavefront.py) in blocks of `wave_steps(B, block)`."""
     inp, tgt = tokens[:, :-1], tokens[:, 1:]
     B, n = inp.shape
     rec = Recorder(tgt, None, ref, tick)
     loop = TokenLoop(model, policy, budgets, mode, B, n, doc, ref)
     attend = BlockedLoop(loop)
-    for s in range(0, n, block):
-        e = min(n, s + block)
-        attend.pos = torch.arange(s, e, device=tokens.device)
-        rec.add(s, model.forward_with(inp[:, s:e], attend.pos, attend))
+    filled = min(n, min(budgets))  # steps 0 .. filled-1: no layer evicts yet
+    for s in range(0, filled, block):
+        attend.pos = torch.arange(s, min(filled, s + block), device=tokens.device)
+        rec.add(s, model.forward_with(inp[:, s : s + len(attend.pos)], attend.pos, attend.fill))
+    if wavefront and steady_start(loop, n) == filled:  # all layers at once, a block apart
+        Wavefront(model, loop, attend.project, rec, inp, filled).run(wave_steps(B, block), block)
+        filled = n
+    for s in range(filled, n, block):  # layer by layer, step by step
+        attend.pos = torch.arange(s, min(n, s + block), device=tokens.device)
+        rec.add(s, model.forward_with(inp[:, s : s + len(attend.pos)], attend.pos, attend))
     out = rec.out
     if loop.lost is not None:
         out["lost"] = loop.lost.values

@@ -74,6 +74,32 @@ class SlotCache:
         self.used = 0  # slots written at least once (slots fill in order until the first eviction)
         self.rank: torch.Tensor | None = None  # track_ranks(): each slot's rank by position among the held
 
+    @classmethod
+    def stacked(cls, caches: list[SlotCache]) -> SlotCache:
+        """Several layers' caches as one (copied), stacked along the batch dim: row l * B + b is layer l's
+        document b. They must hold the same shapes and counts (the wavefront's caches, eval/wavefront.py)."""
+        first = caches[0]
+        if any((c.count, c.used, c.k.shape) != (first.count, first.used, first.k.shape) for c in caches):
+            raise ValueError("stacked caches must hold the same shapes and counts")
+        out = cls.__new__(cls)
+        for name in ("k", "v", "pos", "free", "last_raw"):
+            setattr(out, name, torch.cat([getattr(c, name) for c in caches]))
+        out.state = {name: torch.cat([c.state[name] for c in caches]) for name in first.state}
+        out.count, out.used = first.count, first.used
+        out.rank = None if first.rank is None else torch.cat([c.rank for c in caches])
+        return out
+
+    def rows(self, lo: int, hi: int) -> SlotCache:
+        """Rows lo .. hi-1 as a cache of their own over the same storage (its updates and evictions are
+        this cache's): the layers a wavefront step runs. Counts are copied (a steady step leaves them)."""
+        out = SlotCache.__new__(SlotCache)
+        for name in ("k", "v", "pos", "free", "last_raw"):
+            setattr(out, name, getattr(self, name)[lo:hi])
+        out.state = {name: st[lo:hi] for name, st in self.state.items()}
+        out.count, out.used = self.count, self.used
+        out.rank = None if self.rank is None else self.rank[lo:hi]
+        return out
+
     def track_ranks(self) -> None:
         """Keep `rank` [B, Hkv, S] up to date on every write and eviction (cache mode re-indexes by it):
         the same values as `ranks(pos)` on the held slots without a sort per step; a free slot keeps a

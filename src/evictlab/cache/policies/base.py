@@ -33,8 +33,11 @@ ADDED_LATER = {"keyed_at_default": False}
 class StepContext:
     """What a policy may look at after the attention of decode step t (query position t)."""
 
-    t: int  # the position (and step index) of the token just decoded
-    layer: int
+    # the position (and step index) of the token just decoded, and the layer: ints, or (the compiled loop)
+    # a 0-dim tensor t, or (the wavefront, eval/wavefront.py: rows of several layers at their own steps)
+    # tensors [B, 1, 1] that broadcast against pos
+    t: int | torch.Tensor
+    layer: int | torch.Tensor
     budget: int  # entries this layer keeps between steps
     pos: torch.Tensor  # [B, Hkv, S] text position of each slot, -1 where empty
     keys: torch.Tensor  # [B, Hkv, S, D] keys as stored (post-RoPE in `original` mode, pre-RoPE in `cache`)

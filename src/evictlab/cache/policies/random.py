@@ -60,12 +60,16 @@ class Random(Policy):
     def min_budget(self) -> int:
         return self.n_sink + 1
 
-    def hash_keys(self, doc: torch.Tensor, layer: int, t: int | torch.Tensor, Hkv: int) -> torch.Tensor:
+    def hash_keys(
+        self, doc: torch.Tensor, layer: int | torch.Tensor, t: int | torch.Tensor, Hkv: int
+    ) -> torch.Tensor:
         """The hash of (seed, document, layer, step, head) for steps t (an int, a 0-dim or a 1-d tensor)
-        -> int64 [B, steps, Hkv] (steps = 1 for a scalar t)."""
+        -> int64 [B, steps, Hkv] (steps = 1 for a scalar t); or, with layer and t [B, 1, 1] (each row its
+        own layer and step: the wavefront), [B, 1, Hkv]."""
         B = doc.shape[0]
         h = _mix(_mix(self.seed + 0x9E3779B) ^ doc.view(B, 1, 1))  # (the seed's mix on the host)
-        steps = t.view(1, -1, 1) if isinstance(t, torch.Tensor) else t
+        per_row = isinstance(t, torch.Tensor) and t.dim() == 3
+        steps = t.view(1, -1, 1) if isinstance(t, torch.Tensor) and not per_row else t
         h = _mix(h ^ (layer * 0x10001 + steps * 0x3F1))
         return _mix(h ^ torch.arange(Hkv, device=doc.device).view(1, 1, Hkv))
 
@@ -73,7 +77,7 @@ class Random(Policy):
         """`hash_keys` of the context's step as int32 [B, Hkv, 1], read from a table that holds _CHUNK
         steps per layer (computed once per chunk instead of ~30 small tensor operations per step)."""
         Hkv = ctx.pos.shape[1]
-        if not isinstance(ctx.t, int):  # a tensor step (the compiled loop): no host-side table lookup
+        if not isinstance(ctx.t, int):  # a tensor step (compiled loop, wavefront): no host-side table lookup
             return _int32(self.hash_keys(ctx.doc, ctx.layer, ctx.t, Hkv)).view(-1, Hkv, 1)
         doc, t0, keys = self._keys.get(ctx.layer, (None, -1, None))
         same_doc = doc is ctx.doc or (
