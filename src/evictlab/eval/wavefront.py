@@ -69,6 +69,9 @@ class Wavefront:
         L, self.B, self.L = model.cfg.n_layer, B, model.cfg.n_layer
         self.cache = SlotCache.stacked(loop.caches)  # each holds budget entries in slots 0 .. budget-1
         self.cache.used += 1  # the first step writes the last slot: every step after sees all of them
+        # each layer's cache becomes its rows of the stacked one (one copy in memory; `project` keeps
+        # writing each layer's last raw key into it, and StreamOutput.kept reads each layer's positions)
+        loop.caches[:] = [self.cache.rows(l * B, (l + 1) * B) for l in range(L)]
         if loop.reindex and self.cache.rank is None:  # position-only policies: ranks from the positions
             self.cache.rank = ranks(self.cache.pos)
         device = inp.device
@@ -103,8 +106,6 @@ class Wavefront:
                 if e - first >= head_steps or e == n:
                     self.rec.add(first, model.head(torch.cat(done, 1)))
                     done, first = [], e
-        for l, c in enumerate(self.loop.caches):  # the kept positions, per layer (StreamOutput.kept)
-            c.pos = self.cache.pos[l * B : (l + 1) * B]
 
     def round(self, lo: int, hi: int, spans: dict[int, tuple[int, int]], xs, m: int) -> torch.Tensor:
         """The steps of layers lo .. hi over their blocks `spans` (layer -> (start, end)) -> the attention
