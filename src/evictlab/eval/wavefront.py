@@ -66,14 +66,14 @@ class Wavefront:
     def __init__(self, model: GPT, loop: TokenLoop, project, rec: Recorder, inp: torch.Tensor, start: int):
         self.model, self.loop, self.project, self.rec, self.inp = model, loop, project, rec, inp
         B, self.n = inp.shape
-        L, self.B, self.L = model.cfg.n_layer, B, model.cfg.n_layer
+        self.B, self.L = B, L = B, model.cfg.n_layer
         self.cache = SlotCache.stacked(loop.caches)  # each holds budget entries in slots 0 .. budget-1
         self.cache.used += 1  # the first step writes the last slot: every step after sees all of them
+        if loop.reindex and self.cache.rank is None:  # position-only policies: ranks from the positions
+            self.cache.rank = ranks(self.cache.pos)
         # each layer's cache becomes its rows of the stacked one (one copy in memory; `project` keeps
         # writing each layer's last raw key into it, and StreamOutput.kept reads each layer's positions)
         loop.caches[:] = [self.cache.rows(l * B, (l + 1) * B) for l in range(L)]
-        if loop.reindex and self.cache.rank is None:  # position-only policies: ranks from the positions
-            self.cache.rank = ranks(self.cache.pos)
         device = inp.device
         self.layer = torch.arange(L, device=device).repeat_interleave(B).view(-1, 1, 1)  # [L*B, 1, 1]
         self.doc = loop.doc.repeat(L)  # [L*B]
