@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from evictlab.cache.policies import Policy, StepContext
-from evictlab.eval.full import FullReference, Recorder, Tick
+from evictlab.eval.full import FullReference, Recorder, Tick, causal_weights
 from evictlab.eval.loop import TokenLoop
 from evictlab.eval.spec import PositionMode
 from evictlab.eval.wavefront import Wavefront, steady_start, wave_steps
@@ -90,10 +90,7 @@ class BlockedLoop:
             q = loop.rope.rotate_ranks(loop.rope.to_pairs(q), pos)
         B, H, m, D = q.shape
         Hkv = K.shape[1]
-        x = (q.view(B, Hkv, loop.groups * m, D) @ K.transpose(-1, -2)).mul_(loop.scale)
-        x = x.view(B, Hkv, loop.groups, m, e)
-        x.masked_fill_(torch.arange(e, device=pos.device) > pos[:, None], float("-inf"))
-        w = x.softmax(-1)
+        w = causal_weights(q, K, s)[0]  # [B, H, m, e], as the full-cache reference computes them
         y = (w.view(B, Hkv, loop.groups * m, e) @ V).view(B, H, m, D).transpose(1, 2).reshape(B, m, H * D)
         loop.held[s:e, l] = np.arange(s + 1, e + 1)
         if loop.lost is not None and s < loop.lost.covered:
@@ -103,6 +100,7 @@ class BlockedLoop:
             loop.lost.values[:, s : s + c, l] = 1 - loop.lost.attention.held_mass_steps(l, s, held).mean(1)
         if policy.evicts and policy.needs_attention:
             start = time.perf_counter()
+            w = w.view(B, Hkv, loop.groups, m, e)
             row = w[:, :, 0] if loop.groups == 1 else w.mean(2)  # [B, Hkv, m, e]
             for i, t in enumerate(range(s, e)):
                 u = t + 1  # the slots written by step t
@@ -137,11 +135,10 @@ def stream_blocked(
     doc: torch.Tensor,
     block: int,
     tick: Tick | None = None,
-    wavefront: bool = True,
 ) -> tuple[dict[str, torch.Tensor], TokenLoop]:
     """Stream tokens [B, T] on the blocked path, `block` steps at a time -> (metrics, the loop state).
-    With `wavefront`, the steps from which every layer's cache is full run as a wavefront over layers
-    (eval/wavefront.py) in blocks of `wave_steps(B, block)`."""
+    Where it can, the steps from the first eviction on run as a wavefront over layers (eval/wavefront.py)
+    in blocks of `wave_steps(B, block)`."""
     inp, tgt = tokens[:, :-1], tokens[:, 1:]
     B, n = inp.shape
     rec = Recorder(tgt, None, ref, tick)
@@ -151,7 +148,7 @@ def stream_blocked(
     for s in range(0, filled, block):
         attend.pos = torch.arange(s, min(filled, s + block), device=tokens.device)
         rec.add(s, model.forward_with(inp[:, s : s + len(attend.pos)], attend.pos, attend.fill))
-    if wavefront and steady_start(loop, n) == filled:  # all layers at once, a block apart
+    if steady_start(loop, n) == filled:  # all layers at once, a block apart
         Wavefront(model, loop, attend.project, rec, inp, filled).run(wave_steps(B, block), block)
         filled = n
     for s in range(filled, n, block):  # layer by layer, step by step

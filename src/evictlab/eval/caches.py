@@ -58,6 +58,9 @@ class BandCache:
         return causal & ((kpos[None, :] < self.n_sink) | (kpos[None, :] >= qpos[:, None] - self.lookback))
 
 
+_ROW_FIELDS = ("k", "v", "pos", "free", "last_raw")  # SlotCache's tensors with a row per document (dim 0)
+
+
 class SlotCache:
     """Preallocated slots of one layer (gpt-fast's KVCache, extended to eviction): k, v [B, Hkv, S, D],
     pos [B, Hkv, S] (-1 = empty) and the policy's per-slot state (each [B, Hkv, S, ...]), S = budget + 1.
@@ -82,7 +85,7 @@ class SlotCache:
         if any((c.count, c.used, c.k.shape) != (first.count, first.used, first.k.shape) for c in caches):
             raise ValueError("stacked caches must hold the same shapes and counts")
         out = cls.__new__(cls)
-        for name in ("k", "v", "pos", "free", "last_raw"):
+        for name in _ROW_FIELDS:
             setattr(out, name, torch.cat([getattr(c, name) for c in caches]))
         out.state = {name: torch.cat([c.state[name] for c in caches]) for name in first.state}
         out.count, out.used = first.count, first.used
@@ -93,7 +96,7 @@ class SlotCache:
         """Rows lo .. hi-1 as a cache of their own over the same storage (its updates and evictions are
         this cache's): the layers a wavefront step runs. Counts are copied (a steady step leaves them)."""
         out = SlotCache.__new__(SlotCache)
-        for name in ("k", "v", "pos", "free", "last_raw"):
+        for name in _ROW_FIELDS:
             setattr(out, name, getattr(self, name)[lo:hi])
         out.state = {name: st[lo:hi] for name, st in self.state.items()}
         out.count, out.used = self.count, self.used

@@ -36,8 +36,9 @@ from evictlab.models.gpt import GPT
 # Steps per wavefront block (`wave_steps`): the block matmuls between rounds get this many rows per
 # document, and the wavefront fills and drains over (L - 1) x this many steps. Measured on SmolLM2, H2O,
 # 512 tokens, budget 64, 1 thread (2026-12-05, token-steps/s): batch 1 with 8 / 16 / 32 / 48 / 64 steps
-# 77 / 98 / 131 / 124 / 118; batch 8 with 16 / 32: 184 / 202. A 576 x 1536 matmul whose weights are not
-# in cache (each layer's are read once per round) ran at 37 / 51 / 64 / 76 GFLOP/s on 16 / 32 / 64 / 128 rows.
+# 77 / 98 / 131 / 124 / 118; batch 8 with 16 / 32: 184 / 202 (repeated runs of either: 180-216, this
+# machine's noise). A 576 x 1536 matmul whose weights are not in cache (each layer's are read once per
+# round) ran at 37 / 51 / 64 / 76 GFLOP/s on 16 / 32 / 64 / 128 rows.
 WAVE_STEPS = 16
 WAVE_ROWS = 32
 
@@ -56,8 +57,7 @@ def steady_start(loop: TokenLoop, n: int) -> int | None:
     budgets, p = loop.budgets, loop.policy
     if len(set(budgets)) != 1 or not p.evicts or p.needs_future:
         return None
-    start = budgets[0]
-    return start if start < n and start + 1 == loop.caches[0].k.shape[2] else None
+    return budgets[0] if budgets[0] < n else None  # (then every cache has budget + 1 slots)
 
 
 class Wavefront:

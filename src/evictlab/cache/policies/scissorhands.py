@@ -45,19 +45,14 @@ class Scissorhands(Policy):
         valid = ctx.valid
         held = valid.sum(dim=-1, keepdim=True)  # [B, Hkv, 1]
         low = (ctx.attn < self.threshold / held) & valid
-        # the step's column of the ring buffer; index ops take a tensor step index too (compiled loop)
+        # the step's column of the ring buffer, per row: t is an int, a 0-dim tensor (compiled loop) or
+        # [B, 1, 1] (the wavefront: each row at its own step)
         column = torch.as_tensor(ctx.t % self.history_window, device=low.device)
+        idx = column.expand(low.shape)[..., None]  # [B, Hkv, S, 1]
         ring, count = ctx.state["low"], ctx.state["count"]
-        if column.dim() == 3:  # each row at its own step (the wavefront): its own column
-            idx = column[..., None].expand(*low.shape, 1)
-            count -= ring.gather(-1, idx)[..., 0].to(count.dtype)
-            count += low.to(count.dtype)
-            ring.scatter_(-1, idx, low[..., None])
-            return
-        column = column.view(1)
-        count -= ring.index_select(-1, column)[..., 0].to(count.dtype)  # the verdict falling out
+        count -= ring.gather(-1, idx)[..., 0].to(count.dtype)  # the verdict falling out
         count += low.to(count.dtype)
-        ring.index_copy_(-1, column, low[..., None])
+        ring.scatter_(-1, idx, low[..., None])
 
     def scores(self, ctx: StepContext) -> torch.Tensor:
         return protect(-ctx.state["count"].to(ctx.keys.dtype), ctx, n_recent=self.n_recent)
