@@ -88,7 +88,7 @@ class FullAttention:
         """[B, H, c]: `held_mass` of the queries s .. s+c-1 in layer l, each on its own held positions
         pos [B, Hkv, c, S] (a block of steps at once). The queries' scores on every key up to the last
         query, then each query's held ones picked out: one matmul instead of gathering S keys of D dims per
-        query (which cost SmolLM2's H2O at batch 8 a third of its stream time, 2026-12-05)."""
+        query (which took 22 of SmolLM2 H2O's 76 s at batch 8 x 1,024 tokens under cProfile, 2026-12-05)."""
         B, Hkv, c, S = pos.shape
         H = self.q[l].shape[1]
         x = scores(self.q[l][:, :, s : s + c], self.k[l][:, :, : s + c])  # [B, H, c, s+c]
