@@ -138,7 +138,7 @@ def stream_blocked(
 ) -> tuple[dict[str, torch.Tensor], TokenLoop]:
     """Stream tokens [B, T] on the blocked path, `block` steps at a time -> (metrics, the loop state).
     Where it can, the steps from the first eviction on run as a wavefront over layers (eval/wavefront.py)
-    in blocks of `wave_steps(B, block)`."""
+    in blocks of `wave_steps(block)`."""
     inp, tgt = tokens[:, :-1], tokens[:, 1:]
     B, n = inp.shape
     rec = Recorder(tgt, None, ref, tick)
@@ -149,7 +149,7 @@ def stream_blocked(
         attend.pos = torch.arange(s, min(filled, s + block), device=tokens.device)
         rec.add(s, model.forward_with(inp[:, s : s + len(attend.pos)], attend.pos, attend.fill))
     if steady_start(loop, n) == filled:  # all layers at once, a block apart
-        Wavefront(model, loop, attend.project, rec, inp, filled).run(wave_steps(B, block), block)
+        Wavefront(model, loop, attend.project, rec, inp, filled).run(wave_steps(block), block)
         filled = n
     for s in range(filled, n, block):  # layer by layer, step by step
         attend.pos = torch.arange(s, min(n, s + block), device=tokens.device)

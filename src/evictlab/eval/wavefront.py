@@ -35,18 +35,18 @@ from evictlab.models.gpt import GPT
 
 # Steps per wavefront block (`wave_steps`): the block matmuls between rounds get this many rows per
 # document, and the wavefront fills and drains over (L - 1) x this many steps. Measured on SmolLM2, H2O,
-# 512 tokens, budget 64, 1 thread (2026-12-05, token-steps/s): batch 1 with 8 / 16 / 32 / 48 / 64 steps
-# 77 / 98 / 131 / 124 / 118; batch 8 with 16 / 32: 184 / 202 (repeated runs of either: 180-216, this
-# machine's noise). A 576 x 1536 matmul whose weights are not in cache (each layer's are read once per
-# round) ran at 37 / 51 / 64 / 76 GFLOP/s on 16 / 32 / 64 / 128 rows.
-WAVE_STEPS = 16
-WAVE_ROWS = 32
+# budget 64, 1 thread (token-steps/s): 512 tokens at batch 1 with 8 / 16 / 32 / 48 / 64 steps 77 / 98 /
+# 131 / 124 / 118 (2026-12-04); one batch of smollm2_quality (8 x 1,024 tokens, diagnostics and reference
+# on: `make run ARGS="+experiment=smollm2_quality strategy=h2o budget=b64 eval.n_streams=8
+# eval.threads=1"`) streamed in 50 / 44 / 44 s with 16 / 32 / 64 steps (2026-12-05). A 576 x 1536 matmul
+# whose weights are not in cache (each layer's are read once per round) ran at 37 / 51 / 64 / 76 GFLOP/s
+# on 16 / 32 / 64 / 128 rows.
+WAVE_STEPS = 32
 
 
-def wave_steps(B: int, block: int) -> int:
-    """Steps per wavefront block for a batch of B documents: WAVE_STEPS, more at small batches so the
-    matmuls get WAVE_ROWS rows; at most `block`."""
-    return min(block, max(WAVE_STEPS, -(-WAVE_ROWS // B)))
+def wave_steps(block: int) -> int:
+    """Steps per wavefront block: WAVE_STEPS, at most `block`."""
+    return min(block, WAVE_STEPS)
 
 
 def steady_start(loop: TokenLoop, n: int) -> int | None:
