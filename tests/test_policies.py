@@ -266,13 +266,30 @@ def test_wavefront_equals_token_loop(deep, monkeypatch, name, mode, allocation):
     spec = StreamSpec(position_mode=mode, block=6, allocation=allocation)
     fast = stream(model, tokens, policy, budget, spec, reference=ref)
     loop = stream(model, tokens, policy_of(name), budget, replace(spec, force_loop=True), reference=ref)
-    # oracle reads the full cache's future: never stacked; pyramid budgets differ by layer. Otherwise the
-    # steps from the first eviction (step budget) to 68 in blocks of 6, plus the 4 rounds of fill and drain
-    stacked = name != "oracle" and allocation == "uniform"
+    # pyramid budgets differ by layer: never stacked. Otherwise the steps from the first eviction (step
+    # budget) to 68 in blocks of 6, plus the 4 rounds of fill and drain
+    stacked = allocation == "uniform"
     assert len(rounds) == (math.ceil((69 - budget) / 6) + 5 - 1 if stacked else 0)
     assert_same_stream(fast, loop)
     for a, b in zip(fast.kept, loop.kept, strict=True):
         assert torch.equal(a.sort(-1).values, b.sort(-1).values)
+
+
+def test_the_oracles_future_attention_is_the_sum_of_the_later_rows(deep):
+    """FullAttention.future (chunk suffix sums on top of whole later chunks) against the explicit [n, n]
+    attention of each layer: the attention key j gets from every query after t, summed over the query
+    heads of its KV head; t on both sides of chunk boundaries."""
+    from evictlab.eval.full import FullAttention, causal_weights
+
+    *_, whole = deep
+    att = FullAttention.from_tensors(whole.attention.tensors())  # fresh: no chunks cached yet
+    att.chunk = 8  # several chunks over the 69 queries
+    B, Hkv = att.k[0].shape[:2]
+    for l in range(len(att.q)):
+        w = causal_weights(att.q[l], att.k[l], 0)[0]  # [B, H, n, n]
+        for t in (0, 6, 7, 8, 30, 67, 68):
+            want = w[:, :, t + 1 :].sum(2).view(B, Hkv, -1, att.n).sum(2)
+            torch.testing.assert_close(att.future(l, t), want, rtol=0, atol=1e-12)
 
 
 def _spy(fn, calls: list):

@@ -9,7 +9,7 @@ MLPs, the norms and the head) runs once per block as block-sized matmuls. A stre
 1. **fill** (steps 0 .. smallest budget - 1): no layer evicts, so each block's entries go to their slots
    at once and its queries attend causally in one matmul; a policy that reads attention observes each
    step's row with the loop's context (`BlockedLoop.fill`).
-2. **wavefront** (the rest, when every layer has the same budget and the policy needs no future): all
+2. **wavefront** (the rest, when every layer has the same budget): all
    layers' steps at once, a block apart (eval/wavefront.py).
 3. otherwise, layer by layer and step by step (`BlockedLoop.__call__`).
 

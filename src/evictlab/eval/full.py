@@ -61,7 +61,7 @@ class FullAttention:
         self.q, self.k = q, k
         L, B, H, n = first.shape
         self.n, self.chunk = n, row_chunk(L, B, H, n)
-        self._rows: dict[int, tuple[int, torch.Tensor]] = {}  # layer -> (chunk start, its rows)
+        self._rows: dict[int, tuple[int, torch.Tensor]] = {}  # layer -> (chunk start, `_chunk`'s suffix)
         self._after: dict[int, torch.Tensor] = {}  # layer -> attention from the queries after each chunk
 
     @property
@@ -72,7 +72,12 @@ class FullAttention:
         """[B, H, e-s, e]: the attention of the queries at s .. e-1 on the keys 0 .. e-1 in layer l."""
         if self.q is None:
             raise ValueError("this full-cache reference kept no queries and keys (rows=False)")
-        return causal_weights(self.q[l][:, :, s:e], self.k[l][:, :, :e], s)[0]
+        hidden = (
+            torch.arange(e, device=self.lse.device)[None, :]
+            > torch.arange(s, e, device=self.lse.device)[:, None]
+        )
+        x = scores(self.q[l][:, :, s:e], self.k[l][:, :, :e]) - self.lse[l][:, :, s:e, None]  # (its lse kept)
+        return x.exp_().masked_fill_(hidden, 0)
 
     def held_mass(self, l: int, t: int, pos: torch.Tensor) -> torch.Tensor:
         """[B, H]: query t's full-cache attention in layer l on the positions pos [B, Hkv, S] (-1 = empty):
@@ -113,22 +118,28 @@ class FullAttention:
         return x.exp_().masked_fill_(~visible, 0).sum(-1)
 
     def _chunk(self, l: int, t: int) -> tuple[int, torch.Tensor]:
+        """(start, suffix [B, Hkv, m, e]) of the chunk of queries holding t in layer l: suffix[..., j, :]
+        is the attention each key gets from the chunk's queries after its j-th, summed over each KV head's
+        query heads (computed once per chunk, so each step of the oracle costs O(n), not O(chunk x n))."""
         start = t - t % self.chunk
         if self._rows.get(l, (-1,))[0] != start:
-            self._rows[l] = (start, self.rows(l, start, min(self.n, start + self.chunk)))
+            rows = self.rows(l, start, min(self.n, start + self.chunk))
+            B, H, m, e = rows.shape
+            Hkv = self.k[l].shape[1]
+            per_kv = rows.view(B, Hkv, H // Hkv, m, e).sum(2)  # [B, Hkv, m, e]
+            after = per_kv.flip(2).cumsum(2).flip(2)[:, :, 1:]  # from the queries after each one
+            suffix = torch.cat([after, torch.zeros_like(per_kv[:, :, :1])], 2)  # (none after the last)
+            self._rows[l] = (start, suffix)
         return self._rows[l]
 
     def future(self, l: int, t: int) -> torch.Tensor:
         """[B, Hkv, n]: the attention key j receives from the queries after t in layer l, summed over the
         query heads of each KV head (the oracle's score)."""
-        start, rows = self._chunk(l, t)
-        B, H, m, e = rows.shape
-        Hkv = self.k[l].shape[1]
+        start, suffix = self._chunk(l, t)
         if l not in self._after:
             self._after[l] = self._later_chunks(l)
-        later = rows[:, :, t - start + 1 :]  # this chunk's queries after t
         out = self._after[l][start // self.chunk].clone()
-        out[..., :e] += later.reshape(B, Hkv, -1, e).sum(2)
+        out[..., : suffix.shape[-1]] += suffix[:, :, t - start]
         return out
 
     def _later_chunks(self, l: int) -> torch.Tensor:

@@ -29,7 +29,7 @@ import torch
 
 from evictlab.cache.policies import StepContext, choose_victim
 from evictlab.eval.caches import SlotCache, ranks
-from evictlab.eval.full import Recorder
+from evictlab.eval.full import Recorder, gather_rows
 from evictlab.eval.loop import TokenLoop
 from evictlab.models.gpt import GPT
 
@@ -52,10 +52,9 @@ def wave_steps(block: int) -> int:
 def steady_start(loop: TokenLoop, n: int) -> int | None:
     """The first step that evicts (step budget) when from there on every layer's steps are the same
     computation on the same shapes, or None when the stream cannot run a wavefront: budgets that differ
-    by layer (the caches would not stack), a policy that never evicts or reads the full cache's future,
-    or a stream that ends first."""
+    by layer (the caches would not stack), a policy that never evicts, or a stream that ends first."""
     budgets, p = loop.budgets, loop.policy
-    if len(set(budgets)) != 1 or not p.evicts or p.needs_future:
+    if len(set(budgets)) != 1 or not p.evicts:
         return None
     return budgets[0] if budgets[0] < n else None  # (then every cache has budget + 1 slots)
 
@@ -149,14 +148,16 @@ class Wavefront:
                 v[a:, :, one],
                 {name: x[a:, :, one] for name, x in init.items()},
                 None if hist is None else hist[i, a:],
+                loop.future_rows([(l, s + i) for l, (s, _) in spans.items()][a // B :]),
             )
         if hist is not None:
             self.observe_lost(lo, spans, hist)
         return y
 
-    def step(self, c: SlotCache, t, layer, doc, q, k, v, init, hist) -> torch.Tensor:
+    def step(self, c: SlotCache, t, layer, doc, q, k, v, init, hist, future) -> torch.Tensor:
         """One step of every row of c (each a layer's document at its own step t [R, 1, 1]): the token
-        loop's `step` on stacked rows, its cache full -> the attention output [R, 1, C]."""
+        loop's `step` on stacked rows, its cache full -> the attention output [R, 1, C]. future: the
+        oracle's [R, Hkv, n] (`TokenLoop.future_rows`), else None."""
         loop = self.loop
         K, V, P = c.update(loop.rope.to_pairs(k) if loop.reindex else k, v, t, init)
         if loop.reindex:  # ranks 0 .. S-1 inside the cache (every slot holds one), the query last
@@ -167,7 +168,10 @@ class Wavefront:
             hist.copy_(P)
         start = time.perf_counter()
         budget, policy = loop.budgets[0], loop.policy
-        ctx = StepContext(t=t, layer=layer, budget=budget, pos=P, keys=c.k, attn=row, state=c.state, doc=doc)
+        see = None if future is None else lambda pos: gather_rows(future, pos)
+        ctx = StepContext(
+            t=t, layer=layer, budget=budget, pos=P, keys=c.k, attn=row, state=c.state, doc=doc, future=see
+        )
         policy.observe(ctx)
         c.evict(choose_victim(policy.scores(ctx), P, all_valid=True))
         loop.policy_seconds += time.perf_counter() - start
