@@ -32,12 +32,15 @@ def scores(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     return (q.reshape(B, Hkv, (H // Hkv) * m, D) @ k.transpose(-1, -2)).view(B, H, m, e) * D**-0.5
 
 
+def future_keys(s: int, e: int, device) -> torch.Tensor:
+    """[e - s, e]: True where key j (0 .. e-1) lies after query i (at position s + i)."""
+    return torch.arange(e, device=device)[None, :] > torch.arange(s, e, device=device)[:, None]
+
+
 def causal_weights(q: torch.Tensor, k: torch.Tensor, s: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(causal attention weights [B, H, m, e], their log normaliser [B, H, m]) of the queries at positions
     s .. s+m-1 (q [B, H, m, D]) over the keys at positions 0 .. e-1 (k [B, Hkv, e, D], e = s + m)."""
-    m, e = q.shape[2], k.shape[2]
-    hidden = torch.arange(e, device=q.device)[None, :] > torch.arange(s, s + m, device=q.device)[:, None]
-    x = scores(q, k).masked_fill_(hidden, float("-inf"))
+    x = scores(q, k).masked_fill_(future_keys(s, k.shape[2], q.device), float("-inf"))
     lse = x.logsumexp(-1)
     return x.sub_(lse[..., None]).exp_(), lse
 
@@ -72,12 +75,8 @@ class FullAttention:
         """[B, H, e-s, e]: the attention of the queries at s .. e-1 on the keys 0 .. e-1 in layer l."""
         if self.q is None:
             raise ValueError("this full-cache reference kept no queries and keys (rows=False)")
-        hidden = (
-            torch.arange(e, device=self.lse.device)[None, :]
-            > torch.arange(s, e, device=self.lse.device)[:, None]
-        )
         x = scores(self.q[l][:, :, s:e], self.k[l][:, :, :e]) - self.lse[l][:, :, s:e, None]  # (its lse kept)
-        return x.exp_().masked_fill_(hidden, 0)
+        return x.exp_().masked_fill_(future_keys(s, e, self.lse.device), 0)
 
     def held_mass(self, l: int, t: int, pos: torch.Tensor) -> torch.Tensor:
         """[B, H]: query t's full-cache attention in layer l on the positions pos [B, Hkv, S] (-1 = empty):

@@ -207,15 +207,15 @@ class TokenLoop:
 
     def future_of(self, l: int, t: int | torch.Tensor):
         """For the oracle: pos [B, Hkv, S] -> the attention later full-cache queries put on them."""
-        rows = self.future_rows([(l, t)])
-        return None if rows is None else lambda pos: gather_rows(rows, pos)
+        return self.future_for([(l, t)])
 
-    def future_rows(self, steps: list[tuple[int, int]]) -> torch.Tensor | None:
-        """For the oracle, (layer, step) pairs -> [len * B, Hkv, n]: the attention every key gets from each
-        layer's full-cache queries after its step (None for a policy that does not read it)."""
+    def future_for(self, steps: list[tuple[int, int]]):
+        """For the oracle, (layer, step) pairs -> (pos [len * B, Hkv, S] -> the attention each held key gets
+        from its layer's full-cache queries after its step); None for a policy that does not read it."""
         if not self.policy.needs_future or self.ref is None or self.ref.attention is None:
             return None
-        return torch.cat([self.ref.attention.future(l, t) for l, t in steps])
+        rows = torch.cat([self.ref.attention.future(l, t) for l, t in steps])  # [len * B, Hkv, n]
+        return lambda pos: gather_rows(rows, pos)
 
 
 @torch.no_grad()

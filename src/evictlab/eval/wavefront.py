@@ -29,7 +29,7 @@ import torch
 
 from evictlab.cache.policies import StepContext, choose_victim
 from evictlab.eval.caches import SlotCache, ranks
-from evictlab.eval.full import Recorder, gather_rows
+from evictlab.eval.full import Recorder
 from evictlab.eval.loop import TokenLoop
 from evictlab.models.gpt import GPT
 
@@ -148,7 +148,7 @@ class Wavefront:
                 v[a:, :, one],
                 {name: x[a:, :, one] for name, x in init.items()},
                 None if hist is None else hist[i, a:],
-                loop.future_rows([(l, s + i) for l, (s, _) in spans.items()][a // B :]),
+                loop.future_for([(l, s + i) for l, (s, _) in spans.items()][a // B :]),
             )
         if hist is not None:
             self.observe_lost(lo, spans, hist)
@@ -157,7 +157,7 @@ class Wavefront:
     def step(self, c: SlotCache, t, layer, doc, q, k, v, init, hist, future) -> torch.Tensor:
         """One step of every row of c (each a layer's document at its own step t [R, 1, 1]): the token
         loop's `step` on stacked rows, its cache full -> the attention output [R, 1, C]. future: the
-        oracle's [R, Hkv, n] (`TokenLoop.future_rows`), else None."""
+        oracle's lookup (`TokenLoop.future_for`), else None."""
         loop = self.loop
         K, V, P = c.update(loop.rope.to_pairs(k) if loop.reindex else k, v, t, init)
         if loop.reindex:  # ranks 0 .. S-1 inside the cache (every slot holds one), the query last
@@ -168,9 +168,8 @@ class Wavefront:
             hist.copy_(P)
         start = time.perf_counter()
         budget, policy = loop.budgets[0], loop.policy
-        see = None if future is None else lambda pos: gather_rows(future, pos)
         ctx = StepContext(
-            t=t, layer=layer, budget=budget, pos=P, keys=c.k, attn=row, state=c.state, doc=doc, future=see
+            t=t, layer=layer, budget=budget, pos=P, keys=c.k, attn=row, state=c.state, doc=doc, future=future
         )
         policy.observe(ctx)
         c.evict(choose_victim(policy.scores(ctx), P, all_valid=True))
