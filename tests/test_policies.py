@@ -275,6 +275,30 @@ def test_wavefront_equals_token_loop(deep, monkeypatch, name, mode, allocation):
         assert torch.equal(a.sort(-1).values, b.sort(-1).values)
 
 
+@pytest.mark.parametrize("rows", [1, 2])
+@pytest.mark.parametrize("name", ["h2o", "tova", "window"])
+def test_rotating_the_held_keys_a_few_rows_at_a_time_changes_nothing(deep, monkeypatch, name, rows):
+    """Cache mode rotates the held keys at their ranks a few rows per pass (loop.ROTATED_BYTES): passes of
+    one or two full rows (the wavefront's 15 rows: the last pass short; fewer slots before the caches
+    fill: more rows per pass) give the same stream as one pass, on the token loop and on the wavefront
+    (window: one rank layout for all rows, token loop only)."""
+    from evictlab.eval import loop as token_loop
+
+    model, tokens, _, whole = deep
+    budget = small_budget(name)
+    specs = [StreamSpec(position_mode="cache", block=6, force_loop=force) for force in (False, True)]
+    if name == "window":
+        specs = specs[1:]
+    one = [stream(model, tokens, policy_of(name), budget, s, reference=whole) for s in specs]
+    row = model.cfg.n_kv_head * (budget + 1) * (model.cfg.n_embd // model.cfg.n_head) * 8  # float64
+    monkeypatch.setattr(token_loop, "ROTATED_BYTES", rows * row)
+    few = [stream(model, tokens, policy_of(name), budget, s, reference=whole) for s in specs]
+    for a, b in zip(few, one, strict=True):
+        assert_same_stream(a, b)
+        for x, y in zip(a.kept, b.kept, strict=True):
+            assert torch.equal(x, y)
+
+
 def test_the_oracles_future_attention_is_the_sum_of_the_later_rows(deep):
     """FullAttention.future (chunk suffix sums on top of whole later chunks) against the explicit [n, n]
     attention of each layer: the attention key j gets from every query after t, summed over the query

@@ -161,9 +161,9 @@ class Wavefront:
         loop = self.loop
         K, V, P = c.update(loop.rope.to_pairs(k) if loop.reindex else k, v, t, init)
         if loop.reindex:  # ranks 0 .. S-1 inside the cache (every slot holds one), the query last
-            K = loop.rope.rotate_ranks(K, c.rank, scratch=True)
-            q = loop.rope.rotate_ranks(loop.rope.to_pairs(q), c.count - 1)
-        y, row = loop.attention(q, K, V, None)
+            y, row = loop.attend_ranked(q, K, V, c.rank, c.count - 1, None)
+        else:
+            y, row = loop.attention(q, K, V, None)
         if hist is not None:
             hist.copy_(P)
         start = time.perf_counter()
