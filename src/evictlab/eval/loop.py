@@ -33,7 +33,7 @@ from evictlab.models.rope import Rope, rotate
 # Rows of rotated keys per pass in cache mode (`TokenLoop.attend_ranked`): small enough to stay in cache
 # between the rotation that writes them and the scores that read them. Rotation + attention of SmolLM2's
 # stacked rows at 1 thread (60 x 3 x 1,025 x 64 keys; 240 x 3 x 257): all rows at once 22.2 / 28.2 ms,
-# 3 MiB per pass 17.9 / 19.5 ms (2026-12-05, throwaway script).
+# 3-6 MiB per pass 17.3-17.9 / 19.5 ms, 0.8 MiB per pass 24.2 / 23.6 ms (2026-12-05, throwaway script).
 ROTATED_BYTES = 4 << 20
 
 
