@@ -162,7 +162,7 @@ class TokenLoop:
 
     def attend_ranked(self, q, K, V, r, at: int, valid) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Cache mode's `attention`: the held keys K (unrotated, in pair order) rotated at their ranks r
-        ([S], shared, or [B, Hkv, S]) and the query at rank `at`, a few rows at a time: each rows' rotated
+        ([S], shared, or [B, Hkv, S]) and the query at rank `at`, a few rows at a time: each pass's rotated
         keys are still in cache when their scores read them (they are rewritten at every step: on the
         wavefront's stacked rows, 30 layers x 2 documents x 1,025 slots, 47 MB). The same values as one
         pass over all rows: every op is per row."""
