@@ -315,6 +315,49 @@ def test_shared_reference_is_computed_once_and_read_by_later_runs(model, tokens,
     assert third.computed == 2 and other.computed == 1 and len(list(tmp_path.glob("*.safetensors"))) == 3
 
 
+def test_a_run_first_streams_the_batches_whose_reference_no_other_process_is_computing(
+    model, tokens, tmp_path, monkeypatch
+):
+    """The first two runs of a cold sweep compute different batches' references side by side: while
+    another process holds batch 1's entry lock (computing it), a run streams batch 2 first, then batch 1
+    once the lock is free, and its numbers are those of a run in row order."""
+    import threading
+
+    from evictlab.eval import evaluate as E
+    from evictlab.eval.shared import SharedReferences
+    from evictlab.store import file_lock
+
+    spec, policy = StreamSpec(diagnostics=False, batch_size=1), make_policy("h2o")
+    shared = SharedReferences(tmp_path, "ck")
+    first, second = (shared.path(model, tokens[i : i + 1], spec, False) for i in (0, 1))
+    locked, seen, compute = threading.Event(), [], E.reference_for
+
+    def computing_batch_1() -> None:  # "another process": the lock is flock's, per open file
+        with file_lock(first):
+            locked.set()
+            for _ in range(500):  # until batch 2's entry is stored (5 s at most: a run in row order waits)
+                if second.exists():
+                    break
+                threading.Event().wait(0.01)
+
+    def recorded(m, batch, *args, **kwargs):
+        seen.append(next(i for i in (0, 1) if torch.equal(batch, tokens[i : i + 1])))
+        return compute(m, batch, *args, **kwargs)
+
+    thread = threading.Thread(target=computing_batch_1, daemon=True)
+    thread.start()
+    assert locked.wait(10) and shared.busy(model, tokens[:1], spec, False)
+    assert not shared.busy(model, tokens[1:2], spec, False)
+    monkeypatch.setattr(E, "reference_for", recorded)
+    got = E.run_batches(model, tokens, policy, 8, spec, shared)
+    thread.join(10)
+    assert seen == [1, 0] and got.starts == [0, 1]
+    assert shared.computed == 2 and not shared.busy(model, tokens[:1], spec, False) and first.exists()
+    alone = E.run_batches(model, tokens, policy, 8, spec)
+    for name, value in E.collect_per_token(alone).items():
+        np.testing.assert_array_equal(E.collect_per_token(got)[name], value)
+
+
 def test_a_batch_reference_log_probs_are_released_once_the_batch_is_streamed(model, tokens, monkeypatch):
     """A run keeps each batch's full-cache NLL, never its [B, n, vocab] log-probs past that batch (on
     SmolLM2, 4.8 GB per batch): every batch's log-probs are gone by the end, and the full cache's NLL and

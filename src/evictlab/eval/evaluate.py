@@ -7,6 +7,7 @@ import dataclasses
 import logging
 import math
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -88,8 +89,7 @@ def reference_for(
     """The full-cache run of a batch over its first spec.full_max_len predictions: with attention weights
     when diagnostics (or the policy) need them, else chunked over a growing KV cache (no [T, T] matrix),
     read from `shared` when another run has computed it (eval/shared.py)."""
-    batch = batch[:, : spec.full_max_len + 1]
-    attention = spec.diagnostics or policy.needs_future
+    batch, attention = batch[:, : spec.full_max_len + 1], reference_attention(policy, spec)
 
     def compute() -> FullReference:
         if attention:
@@ -97,6 +97,28 @@ def reference_for(
         return FullReference(logp=full_logp(model, batch, spec.block))
 
     return compute() if shared is None else shared.reference(model, batch, spec, attention, compute)
+
+
+def reference_attention(policy: Policy, spec: StreamSpec) -> bool:
+    """Whether a batch's full-cache run keeps its attention: diagnostics, or a policy reading the future."""
+    return spec.diagnostics or policy.needs_future
+
+
+def batch_order(model, tokens, policy, spec, shared: SharedReferences | None) -> Iterator[int]:
+    """The first rows of the batches in the order they stream: in row order, except that a batch whose
+    shared reference another process is computing goes after the batches it can start now (see
+    `SharedReferences.busy`); when every pending batch waits on another process, the first one."""
+    pending = list(range(0, tokens.shape[0], spec.batch_size))
+    attention = reference_attention(policy, spec)
+
+    def busy(b0: int) -> bool:
+        batch = tokens[b0 : b0 + spec.batch_size, : spec.full_max_len + 1]
+        return shared is not None and shared.busy(model, batch, spec, attention)
+
+    while pending:
+        b0 = next((b0 for b0 in pending if not busy(b0)), pending[0])
+        pending.remove(b0)
+        yield b0
 
 
 def run_batches(
@@ -110,14 +132,15 @@ def run_batches(
     """Stream every row of tokens [N, T] under the policy, spec.batch_size rows at a time, each batch
     against its own full-cache run."""
     check_reference_cap(policy, tokens.shape[1] - 1, spec)
-    outs, refs = [], []
+    done: dict[int, tuple[StreamOutput, KeptReference]] = {}
     start = time.perf_counter()
-    starts = list(range(0, tokens.shape[0], spec.batch_size))
     N, T = tokens.shape
+    n_batches = -(-N // spec.batch_size)
     progress = StreamProgress(N * (T - 1), f"{policy.name} b={budget}", bar=spec.progress)
-    for i, b0 in enumerate(starts):
+    for b0 in batch_order(model, tokens, policy, spec, shared):
         batch = tokens[b0 : b0 + spec.batch_size]
-        what = f"{policy.name} b={budget}, batch {i + 1}/{len(starts)} ({batch.shape[0]} x {T:,} tokens)"
+        i = b0 // spec.batch_size
+        what = f"{policy.name} b={budget}, batch {i + 1}/{n_batches} ({batch.shape[0]} x {T:,} tokens)"
         t0 = time.perf_counter()
         ref = reference_for(model, batch, policy, spec, shared)
         log.info("%s: full-cache reference ready in %s", what, duration(time.perf_counter() - t0))
@@ -126,10 +149,11 @@ def run_batches(
         out = stream(model, batch, policy, budget, spec, reference=ref, doc=doc, tick=progress)
         progress.pause()
         log.info("%s: streamed in %s on the %s path", what, duration(out.seconds), out.path)
-        outs.append(out)
-        refs.append(KeptReference.of(ref, batch))
+        done[b0] = out, KeptReference.of(ref, batch)
         del ref  # (its log-probs go before the next batch's arrive)
     progress.close()
+    starts = sorted(done)
+    outs, refs = [done[b0][0] for b0 in starts], [done[b0][1] for b0 in starts]
     return Batches(starts, outs, refs, time.perf_counter() - start)
 
 

@@ -8,6 +8,10 @@ file's lock, the others wait and read it. The key holds what the numbers depend 
 folder name and weights hash), the exact tokens (cut to the reference's cap), the block size, dtype and
 device. How a reference is computed stays in `evaluate.reference_for`; this module only stores it.
 
+A run of several batches asks `busy` before each batch and streams first a batch whose entry no other
+process is computing: the two first runs of a cold sweep then compute different batches side by side
+instead of one waiting for the other's (smollm2_long: 5-6 minutes per batch).
+
 With `eval.diagnostics=false` the entry is the chunked reference's log-probs only. With diagnostics on it
 also holds the full cache's attention as `FullAttention` keeps it: each layer's rotated queries and keys
 (rows are recomputed from them) and the per-query summaries (attention on position 0 and on the first
@@ -50,6 +54,25 @@ class SharedReferences:
         settings["block"] = None if attention else spec.block  # the explicit forward has no blocks
         return stable_hash({"checkpoint": self.checkpoint, "tokens": tokens, **settings})
 
+    def path(self, model: GPT, batch: torch.Tensor, spec: StreamSpec, attention: bool) -> Path:
+        return self.root / f"{self.key(model, batch, spec, attention)}.safetensors"
+
+    def busy(self, model: GPT, batch: torch.Tensor, spec: StreamSpec, attention: bool) -> bool:
+        """Whether another process holds this entry's lock while it is not yet stored (it is computing it):
+        `reference` would wait for it."""
+        from filelock import Timeout
+
+        path = self.path(model, batch, spec, attention)
+        if path.exists():
+            return False
+        lock = file_lock(path)
+        try:
+            lock.acquire(timeout=0)
+        except Timeout:
+            return True
+        lock.release()
+        return False
+
     def reference(
         self,
         model: GPT,
@@ -60,7 +83,7 @@ class SharedReferences:
     ) -> FullReference:
         """The full-cache run of batch [B, n + 1] (already cut to the reference's cap): log-probs [B, n, V]
         and, with `attention`, its FullAttention, read from the store, or `compute()`d and stored."""
-        path = self.root / f"{self.key(model, batch, spec, attention)}.safetensors"
+        path = self.path(model, batch, spec, attention)
         path.parent.mkdir(parents=True, exist_ok=True)
         L, n = model.cfg.n_layer, batch.shape[1] - 1
         with file_lock(path):
