@@ -151,3 +151,21 @@ def test_loss_falls_in_a_few_steps():
         opt.step()
         losses.append(float(loss.detach()))
     assert losses[-1] < 0.3 * losses[0]
+
+
+@pytest.mark.parametrize("kw", [{}, {"n_kv_head": 2}, {"bias": True}])
+def test_keys_projected_alone_equal_the_fused_projections_keys_bit_for_bit(kw):
+    """The blocked path projects a key-scoring policy's keys one token at a time with `project_keys`,
+    the token loop with `project`: their ties break alike only if the two agree bit for bit, on this
+    machine's matmul kernels, at every batch size, and with SmolLM2's width (576 -> 960 fused)."""
+    torch.manual_seed(0)
+    models = [tiny(**kw).float()]  # (tiny is float64; the engine runs float32)
+    models.append(GPT(GPTConfig(vocab_size=50, n_layer=1, n_head=9, n_kv_head=3, n_embd=576)).eval())
+    for model in models:
+        a = model.blocks[0].attn
+        with torch.no_grad():
+            for B in (1, 2, 8, 64):
+                x = torch.randn(B, 1, model.cfg.n_embd)
+                assert torch.equal(a.project_keys(x), a.project(x)[1])
+            x = torch.randn(2, 16, model.cfg.n_embd)  # and a block of positions, up to rounding
+            torch.testing.assert_close(a.project_keys(x), a.project(x)[1])

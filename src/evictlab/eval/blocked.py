@@ -14,7 +14,8 @@ MLPs, the norms and the head) runs once per block as block-sized matmuls. A stre
 3. otherwise, layer by layer and step by step (`BlockedLoop.__call__`).
 
 A policy that scores keys (`entry_state`) gets them projected one token at a time, as the loop projects
-them: equal tokens then have bit-identical keys and their ties break as in the loop.
+them (`CausalSelfAttention.project_keys`: the key rows of the projection alone): equal tokens then have
+bit-identical keys and their ties break as in the loop.
 
 (A variant that replayed a score-free policy's evictions first and then attended once per block under a
 mask was measured no faster than part 3 at make bench's workload, 2026-12-01, and was removed.)
@@ -57,7 +58,7 @@ class BlockedLoop:
         loop, cache = self.loop, self.loop.caches[l]
         q, k, v = a.project(h)  # [B, H, m, D], [B, Hkv, m, D] x2
         if self.exact_keys:
-            k = torch.cat([a.project(h[:, i : i + 1])[1] for i in range(h.shape[1])], 2)
+            k = torch.cat([a.project_keys(h[:, i : i + 1]) for i in range(h.shape[1])], 2)
         raw_last = k[:, :, -1:]
         k = a.smear(k, cache.last_raw)  # (last_raw: zeros before the first block)
         cache.last_raw.copy_(raw_last)

@@ -149,6 +149,17 @@ class CausalSelfAttention(nn.Module):
         v = v.view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
         return q, k, v
 
+    def project_keys(self, x: torch.Tensor) -> torch.Tensor:
+        """x [B, T, C] -> k [B, Hkv, T, D]: `project`'s keys alone, from c_attn's key rows (a fifth of its
+        work for SmolLM2). For a single position (T = 1) equal to `project`'s k bit for bit
+        (tests/test_model.py holds that on the machine it runs on): the blocked path projects the keys of a
+        policy that scores them one token at a time this way (eval/blocked.py)."""
+        B, T, _ = x.shape
+        s, e = self.n_head * self.head_dim, (self.n_head + self.n_kv_head) * self.head_dim
+        bias = None if self.c_attn.bias is None else self.c_attn.bias[s:e]
+        k = F.linear(x, self.c_attn.weight[s:e], bias)
+        return k.view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
+
     def smear(self, k: torch.Tensor, prev: torch.Tensor | None = None) -> torch.Tensor:
         """Smeared keys: raw k [B, Hkv, T, D] -> s k_j + (1 - s) k_(j-1), s = sigmoid(smear_logit) per KV
         head, where k_(-1) = prev [B, Hkv, 1, D] (the raw key of the token before k's first; None = zeros:
