@@ -89,7 +89,7 @@ def reference_for(
     """The full-cache run of a batch over its first spec.full_max_len predictions: with attention weights
     when diagnostics (or the policy) need them, else chunked over a growing KV cache (no [T, T] matrix),
     read from `shared` when another run has computed it (eval/shared.py)."""
-    batch, attention = batch[:, : spec.full_max_len + 1], reference_attention(policy, spec)
+    batch, attention = reference_rows(batch, spec), reference_attention(policy, spec)
 
     def compute() -> FullReference:
         if attention:
@@ -97,6 +97,11 @@ def reference_for(
         return FullReference(logp=full_logp(model, batch, spec.block))
 
     return compute() if shared is None else shared.reference(model, batch, spec, attention, compute)
+
+
+def reference_rows(batch: torch.Tensor, spec: StreamSpec) -> torch.Tensor:
+    """The tokens a batch's full-cache reference covers: its first spec.full_max_len predictions."""
+    return batch[:, : spec.full_max_len + 1]
 
 
 def reference_attention(policy: Policy, spec: StreamSpec) -> bool:
@@ -112,7 +117,7 @@ def batch_order(model, tokens, policy, spec, shared: SharedReferences | None) ->
     attention = reference_attention(policy, spec)
 
     def busy(b0: int) -> bool:
-        batch = tokens[b0 : b0 + spec.batch_size, : spec.full_max_len + 1]
+        batch = reference_rows(tokens[b0 : b0 + spec.batch_size], spec)
         return shared is not None and shared.busy(model, batch, spec, attention)
 
     while pending:
