@@ -21,13 +21,13 @@ A stream of n steady steps in blocks of m runs n / m + L - 1 rounds of m stacked
 steps of one layer: the first and last L - 1 rounds run fewer layers (the wavefront fills and drains).
 
 At a large cache a stacked step is bound by reading the held keys and values (SmolLM2, cache of 1,024, 2
-documents: 2 x 47 MB per step; a batched matmul of a few query rows streams them at 6.5 GB/s on one core
-here, a plain sum at 14.8). (A variant that attended a run of 4 steps from one read of the cache was
-measured and not kept, 2026-12-05: in cache positions each eviction moves the rank of every newer key, so
-each query had to be rotated at every offset a key could have dropped by, and the offsets' scores and the
-per-step gathers gave back what the saved reads won: 29.0 -> 27.3 ms per steady step for H2O on SmolLM2, 2
-documents, cache of 1,024, 1 thread, another stream running on the second core as in a sweep; and its sums
-ran in another order than the token loop's.)
+documents: 2 x 47 MB per step; a batched matmul of a few query rows streams them at 6.5 GB/s on one core here,
+a plain sum at 14.8: throwaway script, 1 thread). (A variant that attended a run of 4 steps from one read of
+the cache was measured and not kept, 2026-12-05: in cache positions each eviction moves the rank of every
+newer key, so each query had to be rotated at every offset a key could have dropped by, and the offsets'
+scores and the per-step gathers gave back what the saved reads won: 29.0 -> 27.3 ms per steady step for H2O on
+SmolLM2, 2 documents, cache of 1,024, 1 thread, another stream running on the second core as in a sweep; and
+its sums ran in another order than the token loop's.)
 """
 
 from __future__ import annotations
