@@ -37,12 +37,12 @@ test-slurm: ## Start a one-node SLURM here (apt-get installs slurm-wlm, munge if
 	scripts/slurm-local.sh down; exit $$status
 
 lint: ## Lint with ruff (check + format check)
-	$(VENV)/bin/ruff check src tests benchmarks
-	$(VENV)/bin/ruff format --check src tests benchmarks
+	$(VENV)/bin/ruff check src tests benchmarks scripts
+	$(VENV)/bin/ruff format --check src tests benchmarks scripts
 
 format: ## Auto-format and auto-fix with ruff
-	$(VENV)/bin/ruff format src tests benchmarks
-	$(VENV)/bin/ruff check --fix src tests benchmarks
+	$(VENV)/bin/ruff format src tests benchmarks scripts
+	$(VENV)/bin/ruff check --fix src tests benchmarks scripts
 
 train: ## Train (or load from cache) the default model: make train ARGS="model=gpt_tiny"
 	$(PY) -m evictlab.train $(ARGS)

@@ -71,6 +71,10 @@ def test_aggregate_tidy_tables_and_failures(sweep: Path):
     w = wide(res)
     assert len(w) == res["run_key"].nunique() and {"ppl", "kl_mean", "kv_bytes"} <= set(w)
     assert (t["streams"].groupby("run_key").size() == 2).all()
+    # each stream names its documents (run_info.json's stream_documents): one text per seed and stream
+    named = t["streams"].groupby(["seed", "stream"])["documents"].agg(set)
+    assert named.map(len).tolist() == [1] * 4 and all(next(iter(x)) for x in named)
+    assert named[0, 0] != named[1, 0]  # another seed, another stretch of text
     c = t["curves"]
     by_stream = c.groupby(["run_key", "stream"])
     assert c["position"].min() >= 1 and by_stream["position_start"].is_monotonic_increasing.all()

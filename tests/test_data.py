@@ -217,3 +217,104 @@ def test_exclude_drops_documents_by_id_pattern_and_stays_out_of_keys(tmp_path: P
         load_documents(DatasetConfig(kind="text_files", path=str(tmp_path), exclude=["*.txt#0"]))
     # no exclusion: the key of every corpus (and so of every checkpoint) is what it was before the field
     assert "exclude" not in key_dict(cfg) and key_dict(DatasetConfig(exclude=["x*"]))["exclude"] == ["x*"]
+
+
+def test_pinned_corpus_is_the_committed_text_and_reads_no_installed_page(monkeypatch, outputs: Path):
+    """dataset=man_pinned / man_pinned_long stream the bundle committed with evictlab: every text matches
+    its manifest's sha256, all are held out, and nothing under /usr/share/man is read."""
+    import glob
+    import gzip
+    import hashlib
+
+    from evictlab.data import corpora
+
+    def refuse(*args, **kwargs):
+        if any("/usr/share/man" in str(a) for a in args):
+            pytest.fail(f"a pinned corpus read the installed manual pages: {args}")
+        return real_glob(*args, **kwargs)
+
+    real_glob = glob.glob
+    monkeypatch.setattr(glob, "glob", refuse)
+    monkeypatch.setattr(gzip, "open", lambda *a, **k: pytest.fail("a pinned corpus opened a gzip file"))
+    monkeypatch.setattr(corpora, "_man_pages", lambda *a, **k: pytest.fail("read the installed pages"))
+    manifest = corpora.read_manifest("man_pages")
+    for subset, n in (("pages", 48), ("long", 10)):
+        cfg = DatasetConfig(name=f"pinned_{subset}", kind="pinned", bundle="man_pages", subset=subset)
+        docs = load_documents(cfg)
+        rows = [r for r in manifest if r["subset"] == subset]
+        assert [d.id for d in docs] == [r["id"] for r in rows] and len(docs) == n
+        for d, r in zip(docs, rows, strict=True):
+            assert hashlib.sha256(d.text.encode()).hexdigest() == r["text_sha256"]
+            assert len(d.text) == int(r["chars"])
+            assert r["license"] and r["package"] and r["version"] and "gcloud" not in d.id
+        assert {s: len(v) for s, v in split_documents(docs, cfg).items()} == {"train": 0, "val": 0, "test": n}
+    with pytest.raises(DataError, match="holds no documents"):  # all held out: it trains no model
+        load_corpus(
+            DatasetConfig(name="p", kind="pinned", bundle="man_pages"), TokenizerConfig(), outputs, 65
+        )
+    from evictlab.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="not a pinned bundle; there are: man_pages"):
+        DatasetConfig(kind="pinned", bundle="man_page")
+    with pytest.raises(ConfigError, match="has long, pages"):
+        load_documents(DatasetConfig(kind="pinned", bundle="man_pages", subset="short"))
+
+
+def test_a_changed_pinned_text_fails_instead_of_streaming(tmp_path: Path, monkeypatch):
+    import json
+    import lzma
+    import shutil
+
+    from evictlab.data import corpora
+
+    shutil.copytree(corpora.PINNED_ROOT / "man_pages", tmp_path / "man_pages")
+    with lzma.open(tmp_path / "man_pages" / corpora.TEXTS, "rt", encoding="utf-8") as f:
+        lines = [json.loads(x) for x in f]
+    lines[3]["text"] = lines[3]["text"].replace("e", "E", 1)
+    with lzma.open(tmp_path / "man_pages" / corpora.TEXTS, "wt", encoding="utf-8") as f:
+        f.writelines(json.dumps(x) + "\n" for x in lines)
+    monkeypatch.setattr(corpora, "PINNED_ROOT", tmp_path)
+    with pytest.raises(DataError, match=f"document '{lines[3]['id']}' is not the text its manifest names"):
+        load_documents(DatasetConfig(kind="pinned", bundle="man_pages"))
+
+
+@pytest.mark.parametrize("source", ["documents", "concat"])
+def test_each_stream_names_the_documents_its_text_comes_from(outputs: Path, source: str):
+    from evictlab.data.streams import eval_streams
+
+    corpus = load_corpus(DatasetConfig(), TokenizerConfig(), outputs)
+    tokens, docs = eval_streams(corpus, 5, 900, False, source, "test", seed=3, return_documents=True)
+    texts = {d.id: d.text for d in load_documents(DatasetConfig())}
+    assert len(docs) == 5 and tokens.shape == (5, 900)
+    for row, named in zip(tokens, docs, strict=True):
+        parts = named.split(" | ")
+        first, _, k = parts[0].partition("@")
+        body = corpus.tokenizer.decode(row[1:].tolist()).encode()  # the byte tokenizer: token k is byte k
+        if source == "documents":
+            assert len(parts) == 1 and not k and texts[first].encode().startswith(body)
+        else:  # each named document in turn, joined by <bos>, the first from its k-th token on
+            joined = b"<bos>".join(
+                [texts[first].encode()[int(k or 0) :], *(texts[p].encode() for p in parts[1:])]
+            )
+            assert joined.startswith(body) and len(joined) > len(body)
+            assert body.count(b"<bos>") == len(parts) - 1 + body.startswith(b"<bos>")
+
+
+def test_offset_streams_start_inside_their_documents_and_pair_the_bos_arms(outputs: Path):
+    """eval.stream_source=offsets: each stream one document from a seeded offset, the same offset with or
+    without <bos> (the two arms stream the same text), the documents those of `documents`."""
+    from evictlab.data.streams import eval_streams
+
+    with_bos = load_corpus(DatasetConfig(), TokenizerConfig(), outputs)
+    without = load_corpus(DatasetConfig(bos=False), TokenizerConfig(), outputs)
+    a, named = eval_streams(with_bos, 4, 300, False, "offsets", "test", seed=0, return_documents=True)
+    b, named_b = eval_streams(without, 4, 300, False, "offsets", "test", seed=0, return_documents=True)
+    assert named == named_b and (a[:, 0] == with_bos.tokenizer.bos_id).all() and (a[:, 1:] == b[:, :-1]).all()
+    offsets = [int(n.partition("@")[2] or 0) for n in named]
+    assert len(set(offsets)) == 4 and min(offsets) >= 0
+    texts = {d.id: d.text.encode() for d in load_documents(DatasetConfig())}
+    for row, n, k in zip(b, named, offsets, strict=True):  # the byte tokenizer: token k is byte k
+        assert bytes(row.tolist()) == texts[n.partition("@")[0]][k : k + 300]
+    _, plain = eval_streams(with_bos, 4, 300, False, "documents", "test", seed=0, return_documents=True)
+    assert [n.partition("@")[0] for n in named] == plain
+    assert eval_streams(with_bos, 4, 300, False, "offsets", "test", seed=1, return_documents=True)[1] != named

@@ -295,3 +295,17 @@ def test_a_run_that_converts_the_gguf_itself_completes_and_logs(tiny_gguf, tmp_p
     metrics = run_mod.run(cfg)
     assert metrics["status"] == "ok" and metrics["checkpoint"].startswith("tiny_gguf-")
     assert len(metrics["weights_sha256"]) == 64
+
+
+@pytest.mark.slow
+def test_pinned_long_pages_each_hold_a_long_stream_of_smollm2_tokens(smollm2_outputs):
+    """man_pinned_long's pages are single documents of >= 32,768 SmolLM2 tokens (smollm2_long's streams),
+    man_pinned's of >= 1,024 (one stream of smollm2_quality each, with room for offsets)."""
+    from evictlab.data import DatasetConfig, load_documents
+    from evictlab.data.tokenizers import gguf_tokenizer
+
+    tok = gguf_tokenizer(SMOLLM2, smollm2_outputs / "tok")
+    for subset, least in (("long", 32_768), ("pages", 1_024)):
+        docs = load_documents(DatasetConfig(kind="pinned", bundle="man_pages", subset=subset))
+        lengths = [len(ids) for ids in tok.encode_batch([d.text for d in docs])]
+        assert min(lengths) >= least, dict(zip([d.id for d in docs], lengths, strict=True))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import subprocess
 from pathlib import Path
 
 import pandas as pd
@@ -246,3 +247,34 @@ def test_readme_numbers_are_the_snapshots_tables(name, capsys):
     )
     missing = [c for c in cells if c not in readme]
     assert not missing, f"{name}/README.md lacks {missing[:3]} (make tables EXP={name})"
+
+
+def test_verify_names_in_one_line_what_a_snapshots_provenance_lacks():
+    """Every run records its commit (in main's history), the sha256 of its streams and of its weights, and
+    every stream its documents; `provenance_gaps` says what is missing, None when nothing is."""
+    from evictlab import verify as V
+
+    git = ["git", "-C", str(paper.REPO_ROOT), "rev-parse", "HEAD"]
+    head = subprocess.run(git, capture_output=True, text=True, check=True).stdout.strip()
+    results = pd.DataFrame(
+        {"run_key": ["a", "a", "b"], "info.git_commit": [head, head, head[:7]]}
+        | {"streams_sha256": ["s", "s", "s"], "weights_sha256": ["w", "w", "w"]}
+    )
+    streams = pd.DataFrame(
+        {"run_key": ["a", "b"], "stream": [0, 0], "documents": ["man1/ls.1.gz", "x@3 | y"]}
+    )
+    assert V.provenance_gaps({"results": results, "streams": streams}, paper.REPO_ROOT) is None
+    holes = results.assign(streams_sha256=["s", "s", None], **{"info.git_commit": [head, head, "9cecf2f"]})
+    holes = {"results": holes.drop(columns="weights_sha256"), "streams": streams.iloc[:, :2]}
+    line = V.provenance_gaps(holes, paper.REPO_ROOT)
+    assert line == (
+        "1 of 2 runs lack streams_sha256; 2 of 2 runs lack weights_sha256; commit 9cecf2f (1 runs) is not in "
+        "main's history; 2 of 2 streams lack their documents"
+    )
+    # the snapshots made before the pinned text: the holes a reviewer found are the ones it names
+    recall = V.provenance_gaps(paper.load_snapshot(paper.EXPERIMENTS / "smollm2_recall"), paper.REPO_ROOT)
+    assert (
+        "33 of 33 runs lack streams_sha256" in recall and "commit 9cecf2fb7a9c (33 runs) is not in" in recall
+    )
+    sinks = V.provenance_gaps(paper.load_snapshot(paper.EXPERIMENTS / "smollm2_sinks"), paper.REPO_ROOT)
+    assert sinks.startswith("24 of 24 runs lack info.git_commit; 24 of 24 runs lack streams_sha256; 12 of 24")

@@ -85,10 +85,15 @@ def test_a_recall_run_records_accuracy_by_depth(tmp_path):
     from evictlab.analysis import figures as F
     from evictlab.analysis.aggregate import aggregate
     from evictlab.analysis.report import load_tables
+    from evictlab.data import load_documents
 
     aggregate([run_mod.run_dir(cfg).parent], run_mod.run_dir(cfg).parent)
     tables = load_tables(run_mod.run_dir(cfg).parent)
     assert len(tables["recall"]) == 4 and set(tables["recall"]["strategy"]) == {"h2o"}
+    filler = load_documents(cfg.dataset)  # each stream names the documents its filler comes from
+    assert set(
+        tables["streams"]["documents"].str.split(" | ", regex=False).explode().str.split("@").str[0]
+    ) <= {d.id for d in filler}
     assert "recall_heatmaps" in F.draw_all(tables)
     with pytest.raises(ConfigError, match="recall_depths"):
         cfg_for(tmp_path / "outputs", "eval.task=recall", "eval.recall_depths=[1.5]")

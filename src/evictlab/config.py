@@ -355,6 +355,12 @@ class Config:
         check_reference_cap(policy, n, self.eval.spec())
 
     @property
+    def corpus_min_tokens(self) -> int:
+        """Tokens the corpus's train and val splits must each hold: one training sequence; none for an
+        imported model, which is never trained here (so a pinned, all-held-out corpus serves it)."""
+        return 0 if self.model.name_or_path else self.train.seq_len + 1
+
+    @property
     def resolved_budget(self) -> int:
         return self.budget.resolve(self.eval.stream_len)
 

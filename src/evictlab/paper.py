@@ -203,6 +203,9 @@ def verify_main(args) -> int:
         return 2
     status = 0
     for folder in folders:
+        gaps = V.provenance_gaps(load_snapshot(folder), REPO_ROOT)
+        print(f"{folder.name}: provenance " + (f"INCOMPLETE: {gaps}" if gaps else "complete"), flush=True)
+        status = 1 if gaps else status
         now, notes = V.rerun(folder, load_spec(folder)["experiment"], args.streams, args.all)
         rows = V.compare(load_snapshot(folder)["streams"], now) if len(now) else pd.DataFrame()
         for note in notes:

@@ -177,9 +177,9 @@ class RunStages:
         clock = StageClock()
         with clock("subject"):  # corpus and checkpoint (loaded, or trained once)
             corpus, ck, model = self.subject()
-        self.record_model(model)
         with clock("streams"):
-            tokens, recall = self.streams(corpus, model)
+            tokens, recall, documents = self.streams(corpus, model)
+        self.record(model, documents)
         policy, budget, spec = self.cfg.strategy.build(), self.cfg.resolved_budget, self.cfg.eval.spec()
         checkpoint = f"{ck.path.name}:{ck.meta.get('weights_sha256', '')}"
         shared = self.shared_references(ck)
@@ -213,20 +213,22 @@ class RunStages:
             self.track(metrics | clock.seconds(), curve, generations)
         return metrics | clock.seconds()
 
-    def record_model(self, model: GPT) -> None:
+    def record(self, model: GPT, documents: list[str]) -> None:
         """run_info.json's `model_config`: the shape of the model that ran, as loaded (an imported
-        checkpoint brings its own; config.yaml's model fields are the small GPT's, unused then)."""
+        checkpoint brings its own; config.yaml's model fields are the small GPT's, unused then); and
+        `stream_documents`: the documents each stream's text comes from (TokenSplit.documents_in)."""
         from evictlab.store import to_jsonable
 
         path = self.out / R.RUN_INFO
         if path.exists():
-            write_json(path, read_json(path) | {"model_config": to_jsonable(model.cfg)})
+            extra = {"model_config": to_jsonable(model.cfg), "stream_documents": documents}
+            write_json(path, read_json(path) | extra)
 
     def subject(self) -> tuple[Corpus, Checkpoint, GPT]:
         """The corpus and the model (trained or loaded from the cache), on the evaluation device."""
         cfg = self.cfg
         seed_everything(cfg.seed)
-        corpus = load_corpus(cfg.dataset, cfg.tokenizer, cfg.outputs, min_tokens=cfg.train.seq_len + 1)
+        corpus = load_corpus(cfg.dataset, cfg.tokenizer, cfg.outputs, min_tokens=cfg.corpus_min_tokens)
         ck = get_checkpoint(cfg, corpus)
         if not ck.cached:
             from evictlab import tracking
@@ -248,8 +250,9 @@ class RunStages:
         checkpoint = f"{ck.path.name}:{ck.meta.get('weights_sha256', '')}"
         return SharedReferences(self.cfg.outputs / "cache" / "references", checkpoint)
 
-    def streams(self, corpus: Corpus, model: GPT) -> tuple[torch.Tensor, RecallBatch | None]:
-        """The evaluation token streams [N, T] (and the recall batch they come from, for task=recall)."""
+    def streams(self, corpus: Corpus, model: GPT) -> tuple[torch.Tensor, RecallBatch | None, list[str]]:
+        """The evaluation token streams [N, T] (and the recall batch they come from, for task=recall), and
+        the documents each one's text comes from."""
         e, device = self.cfg.eval, next(model.parameters()).device
         if e.task.value == "recall":
             recall = recall_streams(
@@ -261,8 +264,8 @@ class RunStages:
                 self.cfg.seed,
                 e.split,
             )
-            return recall.tokens.to(device), recall
-        tokens = eval_streams(
+            return recall.tokens.to(device), recall, recall.documents
+        tokens, documents = eval_streams(
             corpus,
             e.n_streams,
             e.stream_len,
@@ -270,8 +273,9 @@ class RunStages:
             e.stream_source,
             e.split,
             seed=self.cfg.seed,
+            return_documents=True,
         )
-        return tokens.to(device), None
+        return tokens.to(device), None, documents
 
     def sink(self, model: GPT, corpus: Corpus, checkpoint: str):
         """The model's attention-sink metrics (eval/sinks.py) at its training context (a pretrained model's:

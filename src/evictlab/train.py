@@ -340,7 +340,7 @@ def get_checkpoint(cfg: Config, corpus: Corpus | None = None) -> Checkpoint:
     GGUF file converted once (`gguf_checkpoint`); a Hugging Face checkpoint mapped at each load."""
     if is_gguf(cfg.model.name_or_path):
         return gguf_checkpoint(cfg)
-    corpus = corpus or load_corpus(cfg.dataset, cfg.tokenizer, cfg.outputs, min_tokens=cfg.train.seq_len + 1)
+    corpus = corpus or load_corpus(cfg.dataset, cfg.tokenizer, cfg.outputs, min_tokens=cfg.corpus_min_tokens)
     if cfg.model.name_or_path:  # a pretrained checkpoint: nothing to train
         return pretrained(cfg)
     cfg = replace(

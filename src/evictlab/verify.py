@@ -203,7 +203,7 @@ def rerun(
         )
         if (same, cfg.seed) not in subjects:
             corpus, ck, model = stages.subject()
-            tokens, _ = stages.streams(corpus, model)
+            tokens = stages.streams(corpus, model)[0]
             subjects[same, cfg.seed] = ck, model, tokens[:streams] if streams is not None else tokens
         ck, model, tokens = subjects[same, cfg.seed]
         was = s.recorded_weights
@@ -217,6 +217,52 @@ def rerun(
         frames.append(stream_means(res.per_token).assign(run_key=s.run_key, run=s.label))
         print(f"{s.label}: {len(tokens)} stream(s) re-run", flush=True)
     return (pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()), notes
+
+
+PROVENANCE = ("info.git_commit", "streams_sha256", "weights_sha256")  # every run of a snapshot records these
+
+
+def in_history(commits: list[str], repo: Path) -> dict[str, bool]:
+    """For each commit (a full or abbreviated sha): whether it is in the history of `repo`'s HEAD."""
+    import subprocess
+
+    def known(c: str) -> bool:
+        git = ["git", "-C", str(repo), "merge-base", "--is-ancestor", c, "HEAD"]
+        return subprocess.run(git, capture_output=True).returncode == 0
+
+    return {c: known(c) for c in commits}
+
+
+def shallow(repo: Path) -> bool:
+    import subprocess
+
+    git = ["git", "-C", str(repo), "rev-parse", "--is-shallow-repository"]
+    return subprocess.run(git, capture_output=True, text=True).stdout.strip() == "true"
+
+
+def provenance_gaps(tables: dict[str, pd.DataFrame], repo: Path) -> str | None:
+    """One line naming what a snapshot's provenance lacks: a run without its commit, the sha256 of its
+    streams or of its weights; a commit not in `repo`'s history (HEAD's ancestors); a stream without its
+    documents (streams.parquet's `documents`). None when complete."""
+    runs = tables["results"].drop_duplicates("run_key")
+    gaps = []
+    for col in PROVENANCE:
+        lacking = len(runs) if col not in runs else int(runs[col].isna().sum())
+        if lacking:
+            gaps.append(f"{lacking} of {len(runs)} runs lack {col}")
+    if "info.git_commit" in runs:
+        commits = runs["info.git_commit"].dropna().astype(str)
+        unknown = [c for c, ok in in_history(sorted(set(commits)), repo).items() if not ok]
+        gaps += [
+            f"commit {c[:12]} ({int((commits == c).sum())} runs) is not in main's history" for c in unknown
+        ]
+        if unknown and shallow(repo):
+            gaps.append("(this clone is shallow: `git fetch --unshallow` to check against the whole history)")
+    streams = tables["streams"]
+    lacking = len(streams) if "documents" not in streams else int(streams["documents"].isna().sum())
+    if lacking:
+        gaps.append(f"{lacking} of {len(streams)} streams lack their documents")
+    return "; ".join(gaps) or None
 
 
 def report(rows: pd.DataFrame) -> str:

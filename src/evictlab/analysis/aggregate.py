@@ -73,12 +73,18 @@ def load_run(d: Path) -> tuple[dict[str, Any] | None, dict[str, Any], pd.DataFra
 
 
 def provenance(d: Path) -> dict[str, Any]:
-    """The evictlab commit a run ran at (`info.git_commit`, `info.git_dirty`), from its run_info.json."""
+    """The evictlab commit a run ran at (`info.git_commit`, `info.git_dirty`) and the documents of its
+    streams (`info.stream_documents`, a list; None before runs recorded it), from its run_info.json."""
     try:
-        git = read_json(d / R.RUN_INFO).get("git") or {}
+        info = read_json(d / R.RUN_INFO)
+        git = info.get("git") or {}
     except (OSError, ValueError, AttributeError):
-        git = {}
-    return {"info.git_commit": git.get("commit"), "info.git_dirty": git.get("dirty")}
+        info, git = {}, {}
+    return {
+        "info.git_commit": git.get("commit"),
+        "info.git_dirty": git.get("dirty"),
+        "info.stream_documents": info.get("stream_documents"),
+    }
 
 
 def failure_row(d: Path, metrics: dict[str, Any] | None, cfg: dict[str, Any], per_token) -> dict | None:
@@ -113,12 +119,17 @@ def metric_rows(ids: dict[str, Any], metrics: dict[str, Any]) -> list[dict[str, 
     ]
 
 
-def stream_and_curve_rows(base: dict[str, Any], pt: pd.DataFrame) -> tuple[list[dict], list[dict]]:
-    """Per-stream means, and per stream x log-spaced position bucket means, of the per-token metrics."""
+def stream_and_curve_rows(
+    base: dict[str, Any], pt: pd.DataFrame, documents: list[str] | None = None
+) -> tuple[list[dict], list[dict]]:
+    """Per-stream means (with the stream's `documents` where the run recorded them), and per stream x
+    log-spaced position bucket means, of the per-token metrics."""
     cols = [c for c in R.STREAM_COLUMNS if c in pt]
     # the policy's NLL over the predictions the full-cache reference covers (eval.full_max_len caps it)
     paired = {"nll_paired": pt["nll"].where(pt["nll_full"].notna())} if "nll_full" in pt else {}
     s = pt.assign(**paired).groupby("stream")[[*cols, *paired]].mean().reset_index()
+    if documents is not None:
+        s["documents"] = [documents[i] if i < len(documents) else None for i in s["stream"]]
     edges = R.position_buckets(int(pt["position"].max()))
     pt = pt.assign(bucket=np.searchsorted(edges, pt["position"].to_numpy(), side="right") - 1)
     c = pt.groupby(["stream", "bucket"])[cols].mean().reset_index()
@@ -145,8 +156,9 @@ def aggregate(sweeps: list[Path], out: Path | None = None) -> dict[str, pd.DataF
             failures.append(failure)
             continue
         base = {k: metrics.get(k) for k in R.ID_COLUMNS}
+        documents = cfg.pop("info.stream_documents")
         rows["results"] += metric_rows(base | cfg | {"run_dir": str(d)}, metrics)
-        streams, curves = stream_and_curve_rows(base, pt)
+        streams, curves = stream_and_curve_rows(base, pt, documents)
         rows["streams"] += streams
         rows["curves"] += curves
         for name, file in (("layers", R.LAYERS), ("recall", R.RECALL), ("attention", R.ATTENTION)):

@@ -1,18 +1,23 @@
 """Corpora as lists of documents, and the deterministic split by document.
 
-Built-in corpora need no download: ``pydoc_topics`` (the English prose of CPython's
-``pydoc_data.topics``, one document per topic) and ``python_stdlib`` (the running interpreter's
-standard-library sources, sorted by path, capped in size). ``text_files`` reads a user's file,
-folder or glob; ``hf_dataset`` reads a Hugging Face dataset (hub id or local folder).
+Built-in corpora need no download: ``pinned`` (a bundle of documents committed with evictlab, each
+checked against its manifest's sha256: the same text on every machine), ``pydoc_topics`` (the English
+prose of CPython's ``pydoc_data.topics``, one document per topic) and ``python_stdlib`` (the running
+interpreter's standard-library sources, sorted by path, capped in size). ``man_pages`` reads the manual
+pages this machine has installed (so its text changes with the machine's packages). ``text_files`` reads a
+user's file, folder or glob; ``hf_dataset`` reads a Hugging Face dataset (hub id or local folder).
 """
 
 from __future__ import annotations
 
+import csv
 import fnmatch
 import glob
 import gzip
 import hashlib
+import json
 import logging
+import lzma
 import os
 import re
 import sysconfig
@@ -31,6 +36,7 @@ class CorpusKind(str, Enum):
     text_files = "text_files"
     hf_dataset = "hf_dataset"
     man_pages = "man_pages"
+    pinned = "pinned"
 
 
 @dataclass
@@ -55,6 +61,10 @@ class DatasetConfig:
     hf_split: str = "train"
     text_field: str = "text"
     data_files: str | None = None  # with a builder name such as "json"/"text"/"parquet" in hf_name
+    # pinned: a bundle under evictlab/data/pinned/ and which of its subsets (none: all); every document of a
+    # pinned corpus is held out (the test split): it evaluates imported models and trains none
+    bundle: str | None = field(default=None, metadata={"neutral": None})
+    subset: str | None = field(default=None, metadata={"neutral": None})
 
     def __post_init__(self) -> None:
         self.kind = CorpusKind(self.kind)
@@ -70,6 +80,11 @@ class DatasetConfig:
             raise ConfigError("dataset.path must name a file, folder or glob for dataset kind text_files")
         if self.kind is CorpusKind.hf_dataset and not self.hf_name:
             raise ConfigError("dataset.hf_name must name a hub dataset or local folder for kind hf_dataset")
+        if self.kind is CorpusKind.pinned and self.bundle not in pinned_bundles():
+            raise ConfigError(
+                f"dataset.bundle={self.bundle!r} is not a pinned bundle; there are: "
+                + ", ".join(pinned_bundles())
+            )
 
 
 @dataclass(frozen=True)
@@ -198,6 +213,44 @@ def _parse_man_pages(root: str, files: list[str]) -> list[Document]:
     return docs
 
 
+PINNED_ROOT = Path(__file__).parent / "pinned"
+MANIFEST, TEXTS = "manifest.csv", "texts.jsonl.xz"
+
+
+def pinned_bundles() -> list[str]:
+    return sorted(p.parent.name for p in PINNED_ROOT.glob(f"*/{MANIFEST}"))
+
+
+def read_manifest(bundle: str) -> list[dict[str, str]]:
+    """A pinned bundle's manifest: one row per document (id, subset, package, version, license,
+    source_sha256, text_sha256, chars), in the corpus order."""
+    with open(PINNED_ROOT / bundle / MANIFEST, newline="", encoding="utf-8") as f:
+        return list(csv.DictReader(f))
+
+
+def _pinned(cfg: DatasetConfig) -> list[Document]:
+    """The documents of a committed bundle (of `cfg.subset` when set), each checked against the sha256 its
+    manifest records: a changed or damaged bundle fails here, never streams other text."""
+    rows = read_manifest(cfg.bundle or "")
+    subsets = sorted({r["subset"] for r in rows})
+    if cfg.subset is not None and cfg.subset not in subsets:
+        raise ConfigError(f"dataset.subset={cfg.subset!r}: bundle {cfg.bundle!r} has {', '.join(subsets)}")
+    with lzma.open(PINNED_ROOT / (cfg.bundle or "") / TEXTS, "rt", encoding="utf-8") as f:
+        texts = {d["id"]: d["text"] for d in map(json.loads, f)}
+    docs = []
+    for r in rows:
+        if cfg.subset is not None and r["subset"] != cfg.subset:
+            continue
+        text = texts.get(r["id"])
+        if text is None or hashlib.sha256(text.encode("utf-8")).hexdigest() != r["text_sha256"]:
+            raise DataError(
+                f"pinned bundle {cfg.bundle!r}: document {r['id']!r} is "
+                f"{'missing from' if text is None else 'not the text its manifest names in'} {TEXTS}"
+            )
+        docs.append(Document(r["id"], text))
+    return docs
+
+
 def _text_files(cfg: DatasetConfig) -> list[Document]:
     spec = os.path.expanduser(cfg.path or "")
     p = Path(spec)
@@ -272,6 +325,7 @@ def load_documents(cfg: DatasetConfig, cache: Path | None = None) -> list[Docume
         CorpusKind.text_files: lambda: _text_files(cfg),
         CorpusKind.hf_dataset: lambda: _hf_dataset(cfg),
         CorpusKind.man_pages: lambda: _man_pages(cache=cache),
+        CorpusKind.pinned: lambda: _pinned(cfg),
     }
     docs = [d for d in loaders[cfg.kind]() if len(d.text) >= cfg.min_doc_chars]
     if cfg.exclude:
@@ -308,8 +362,11 @@ SPLITS = ("train", "val", "test")
 def split_documents(docs: list[Document], cfg: DatasetConfig) -> dict[str, list[Document]]:
     """Deterministic split by document: order by a seeded hash of the id, cut by the fractions.
 
-    Each split keeps the corpus order; the same ids and seed give the same split on every machine.
+    Each split keeps the corpus order; the same ids and seed give the same split on every machine. A pinned
+    corpus is held out whole: all its documents are the test split.
     """
+    if cfg.kind is CorpusKind.pinned:
+        return {"train": [], "val": [], "test": list(docs)}
     n = len(docs)
     n_val = max(1, round(n * cfg.val_fraction))
     n_test = max(1, round(n * cfg.test_fraction))

@@ -42,6 +42,16 @@ class TokenSplit:
     def doc(self, i: int) -> np.ndarray:
         return self.ids[self.offsets[i] : self.offsets[i + 1]]
 
+    def documents_in(self, start: int, stop: int, sep: bool = False) -> str:
+        """The documents that tokens [start, stop) of `ids` (of `stream(sep)` with sep=True: each document
+        one token longer) come from: "id@k | id | ...", k the first one's token offset where it is not 0."""
+        ends = self.offsets[1:] + (np.arange(1, self.n_docs + 1) if sep else 0)  # exclusive, per document
+        starts = np.concatenate(([0], ends[:-1]))
+        first, last = np.searchsorted(ends, start, side="right"), np.searchsorted(starts, stop, side="left")
+        k = start - int(starts[first]) - (1 if sep else 0)  # the first one's separator is at offset -1
+        names = [self.doc_ids[i] for i in range(first, last)]
+        return " | ".join([f"{names[0]}@{k}" if k > 0 else names[0], *names[1:]])
+
     def stream(self, sep: int | None) -> np.ndarray:
         """All documents as one array, each preceded by `sep` (e.g. <bos>) when given."""
         if sep is None:
@@ -121,9 +131,15 @@ def _check_sizes(corpus_name: str, sizes: dict[str, int], min_tokens: int) -> No
     """The train and val splits (those of `sizes`) must each hold one sequence."""
     for split in ("train", "val"):
         if split in sizes and sizes[split] < min_tokens:
+            fix = (
+                "it holds no documents (a pinned corpus is all held out: evaluate an imported model on it, "
+                "or train on another dataset)"
+                if sizes[split] == 0
+                else "use a bigger corpus or a shorter train.seq_len"
+            )
             raise DataError(
                 f"dataset {corpus_name!r}: the {split} split has {sizes[split]} tokens, fewer than one "
-                f"sequence needs ({min_tokens}); use a bigger corpus or a shorter train.seq_len"
+                f"sequence needs ({min_tokens}); {fix}"
             )
 
 

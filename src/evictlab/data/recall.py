@@ -30,6 +30,7 @@ class RecallBatch:
     depth: np.ndarray  # [N] requested needle depth (fraction of the filler before the needle)
     needle_pos: np.ndarray  # [N] position of the needle's first token
     values: list[str]
+    documents: list[str]  # [N] the documents each stream's filler comes from (TokenSplit.documents_in)
 
 
 def make_recall_sequence(
@@ -42,7 +43,8 @@ def make_recall_sequence(
     digits: int = 5,
     queries: int = 1,
 ) -> tuple[np.ndarray, int, int, int, str]:
-    """One pass-key sequence of exactly `length` tokens: (ids, answer_start, answer_len, needle_pos, key).
+    """One pass-key sequence of exactly `length` tokens: (ids, answer_start, answer_len, needle_pos, key,
+    (first, stop) of the filler tokens it holds).
 
     `queries` > 1 (training) also asks and answers the key at queries - 1 random points between the
     needle and the final question, so the key is copied across many distances, not one.
@@ -63,7 +65,7 @@ def make_recall_sequence(
         parts = np.split(fill[k:], cuts)
         rest = [x for part in parts[:-1] for x in (part, query, answer)] + [parts[-1]]
     seq = np.concatenate((prefix, fill[:k], needle, *rest, query, answer)).astype(np.int64)
-    return seq, length - len(answer), len(answer), len(prefix) + k, v
+    return seq, length - len(answer), len(answer), len(prefix) + k, v, (start, start + body)
 
 
 def recall_streams(
@@ -83,13 +85,14 @@ def recall_streams(
         )
     rng = np.random.default_rng(seed)
     prefix = np.asarray(corpus.prefix(sink_token), dtype=np.int64)
-    filler = corpus.splits[split].ids
-    rows, starts, lens, depth_of, needles, values = [], [], [], [], [], []
+    sp = corpus.splits[split]
+    rows, starts, lens, depth_of, needles, values, docs = [], [], [], [], [], [], []
     for d in depths:
         for _ in range(n_per_depth):
-            seq, start, n, needle, v = make_recall_sequence(
-                corpus.tokenizer, prefix, filler, length, d, rng, digits
+            seq, start, n, needle, v, span = make_recall_sequence(
+                corpus.tokenizer, prefix, sp.ids, length, d, rng, digits
             )
+            docs.append(sp.documents_in(*span))
             rows.append(seq)
             starts.append(start)
             lens.append(n)
@@ -101,4 +104,4 @@ def recall_streams(
     for i, (s, n) in enumerate(zip(starts, lens, strict=True)):
         answer[i, s - 1 : s - 1 + n] = True  # step t predicts token t + 1
     arrays = [np.array(a) for a in (starts, lens, depth_of, needles)]
-    return RecallBatch(tokens, answer, *arrays, values)
+    return RecallBatch(tokens, answer, *arrays, values, docs)

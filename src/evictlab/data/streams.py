@@ -13,6 +13,9 @@ from evictlab.errors import ConfigError
 
 class StreamSource(str, Enum):
     documents = "documents"  # each stream is one document from its start (documents must be long enough)
+    # each stream one document from a seeded offset inside it (position 0 is not the page's first word),
+    # chosen among the documents that hold stream_len tokens: with or without <bos>, the same text
+    offsets = "offsets"
     concat = "concat"  # the split's documents joined by <bos>, cut into consecutive chunks
 
 
@@ -24,11 +27,14 @@ def eval_streams(
     source: StreamSource | str = "concat",
     split: str = "test",
     seed: int | None = None,
-) -> torch.Tensor:
-    """[n_streams, length] token ids, each row starting with the corpus prefix (<sink>?, <bos>).
+    return_documents: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, list[str]]:
+    """[n_streams, length] token ids, each row starting with the corpus prefix (<sink>?, <bos>); with
+    `return_documents`, also for each row the documents its text comes from (TokenSplit.documents_in).
 
-    `documents`: the first n_streams long-enough documents (a seed shuffles which ones). `concat`:
-    consecutive chunks of the split's text, from its start (or from a seeded random offset).
+    `documents`: the first n_streams long-enough documents (a seed shuffles which ones); `offsets`: the
+    same, each from a seeded token offset inside it. `concat`: consecutive chunks of the split's text, from
+    its start (or from a seeded random offset).
     """
     source = StreamSource(source)
     prefix = corpus.prefix(sink_token)
@@ -38,18 +44,26 @@ def eval_streams(
             f"eval.stream_len={length} and eval.n_streams={n_streams} must leave >= 1 text token"
         )
     sp = corpus.splits[split]
-    if source is StreamSource.documents:
-        rows = [sp.doc(i)[:body] for i in range(sp.n_docs) if len(sp.doc(i)) >= body]
+    if source is not StreamSource.concat:
+        least = length if source is StreamSource.offsets else body
+        long = [i for i in range(sp.n_docs) if len(sp.doc(i)) >= least]
         if seed is not None:
-            rows = [rows[i] for i in np.random.default_rng(seed).permutation(len(rows))]
+            long = [long[i] for i in np.random.default_rng(seed).permutation(len(long))]
+        starts = [0] * len(long)
+        if source is StreamSource.offsets:  # the same draw whatever the prefix: one offset per document
+            u = np.random.default_rng([0 if seed is None else seed, 1]).random(len(long))
+            starts = [int(x * (len(sp.doc(i)) - length + 1)) for x, i in zip(u, long, strict=True)]
+        rows = [sp.doc(i)[k : k + body] for i, k in zip(long, starts, strict=True)]
+        docs = [f"{sp.doc_ids[i]}@{k}" if k else sp.doc_ids[i] for i, k in zip(long, starts, strict=True)]
         if len(rows) < n_streams:
             raise ConfigError(
                 f"eval.stream_len={length} is longer than the documents: only {len(rows)} of the {sp.n_docs} "
-                f"{split} documents of {corpus.name!r} hold {body} tokens, eval.n_streams={n_streams} needed "
-                "(use eval.stream_source=concat, a shorter stream or fewer streams)"
+                f"{split} documents of {corpus.name!r} hold {least} tokens, eval.n_streams={n_streams} "
+                "needed (use eval.stream_source=concat, a shorter stream or fewer streams)"
             )
     else:
-        text = sp.stream(corpus.tokenizer.bos_id if corpus.bos else None)
+        sep = corpus.tokenizer.bos_id if corpus.bos else None
+        text = sp.stream(sep)
         available = len(text) // body
         if available < n_streams:
             raise ConfigError(
@@ -61,6 +75,8 @@ def eval_streams(
             if seed is None
             else int(np.random.default_rng(seed).integers(0, len(text) - n_streams * body + 1))
         )
-        rows = [text[start + i * body : start + (i + 1) * body] for i in range(n_streams)]
-    out = np.stack([np.concatenate((prefix, r)) for r in rows[:n_streams]]).astype(np.int64)
-    return torch.from_numpy(out)
+        spans = [(start + i * body, start + (i + 1) * body) for i in range(n_streams)]
+        rows = [text[a:b] for a, b in spans]
+        docs = [sp.documents_in(a, b, sep is not None) for a, b in spans]
+    out = torch.from_numpy(np.stack([np.concatenate((prefix, r)) for r in rows[:n_streams]]).astype(np.int64))
+    return (out, docs[:n_streams]) if return_documents else out
