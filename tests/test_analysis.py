@@ -816,9 +816,12 @@ def test_band_table_weights_buckets_by_their_width_and_merges_identical_modes():
             )
         streams.append(ident | {"stream": 0, "nll": nll + 0.8})
     t = band_table({"curves": pd.DataFrame(curves), "streams": pd.DataFrame(streams)}, [4])
-    assert list(t.columns) == ["budget", "mode", "perplexity", "< 4", ">= 4"]
+    assert list(t.columns) == ["budget", "mode", "perplexity", "1 - 3", "4 - 15"]  # the buckets' true edges
     assert list(t["mode"]) == ["both", "original", "cache"]  # the full cache is one row
-    assert t.loc["window"].iloc[0]["< 4"] == "2.000" and t.loc["window"].iloc[1][">= 4"] == "4.000"
+    assert t.loc["window"].iloc[0]["1 - 3"] == "2.000" and t.loc["window"].iloc[1]["4 - 15"] == "4.000"
+    # an edge inside a bucket: the band runs to the bucket's end, and says so
+    cut_inside = band_table({"curves": pd.DataFrame(curves), "streams": pd.DataFrame(streams)}, [3])
+    assert list(cut_inside.columns)[3:] == ["1 - 3", "4 - 15"]
     assert t.loc["full", "perplexity"] == f"{np.exp(1.8):.3f}"
 
 
@@ -846,4 +849,33 @@ def test_band_table_draws_the_full_cache_from_the_runs_reference_when_no_run_is_
     assert list(t.index) == [ref, "window", "window"]
     assert t.loc[ref, "mode"] == "both" and t.loc[ref, "budget"] == "-"
     assert t.loc[ref, "perplexity"] == f"{np.exp(0.7):.3f}"
-    assert [t.loc[ref, c] for c in ("< 4", "4 - 15", ">= 16")] == ["1.000", "0.500", "-"]
+    assert [t.loc[ref, c] for c in ("1 - 3", "4 - 15", "16 - 63")] == ["1.000", "0.500", "-"]
+
+
+def test_band_costs_are_paired_on_the_predictions_the_reference_covers_with_a_t_interval_over_streams():
+    """band_cost_table: per band, exp(mean over streams of the token-weighted NLL difference on the
+    predictions both sides cover), its CI Student's t over few streams; a band the reference never
+    reaches is "-"; the band's label names the covered span."""
+    from scipy import stats
+
+    from evictlab.analysis.report import band_cost_table
+
+    ident = {"strategy": "window", "strategy_label": "window", "strategy_order": 1, "evicts": True}
+    ident |= {"budget": 64, "position_mode": "cache", "run_key": "w"}
+    curves, shifts = [], np.array([0.1, 0.3, 0.2])
+    # [1, 4): 3 predictions, all covered; [4, 16): 12, the reference covers 5 (where the policy's mean is
+    # nll_paired, not nll); [16, 64): none covered
+    buckets = ((1, 4, 3, 3, 1.0, 1.0), (4, 16, 12, 5, 2.0, 1.5), (16, 64, 48, 0, 3.0, np.nan))
+    for stream, shift in enumerate(shifts):
+        for start, end, n, n_paired, nll, full in buckets:
+            row = {"stream": stream, "position_start": start, "position": np.sqrt(start * end), "n": n}
+            row |= {"nll": nll + shift if n == n_paired else nll, "nll_full": full, "n_paired": n_paired}
+            curves.append(ident | row | {"nll_paired": nll + shift if n_paired else np.nan})
+    tables = {"curves": pd.DataFrame(curves), "streams": pd.DataFrame([ident | {"stream": 0, "nll": 1.0}])}
+    t = band_cost_table(tables, [4, 16])
+    assert list(t.columns) == ["budget", "mode", "n", "1 - 3", "4 - 15"] and t.loc["window", "n"] == 3
+    half = stats.t.ppf(0.975, 2) * shifts.std(ddof=1) / np.sqrt(3)
+    low, high = np.exp(shifts.mean() - half), np.exp(shifts.mean() + half)
+    assert t.loc["window", "1 - 3"] == f"{np.exp(shifts.mean()):.3f} [{low:.3f}, {high:.3f}]"
+    paired = 2.0 + shifts - 1.5  # nll_paired - nll_full on [4, 16), whatever the uncovered predictions hold
+    assert t.loc["window", "4 - 15"].startswith(f"{np.exp(paired.mean()):.3f} [")

@@ -320,6 +320,13 @@ def test_a_run_past_the_reference_cap_records_its_metrics_as_absent_and_still_dr
     from evictlab.analysis import stats as S
 
     assert np.isclose(S.paired_delta(tables["streams"]).iloc[0], s["nll_paired"] - s["nll_full"])
+    # no curve bucket straddles the cap: each holds only covered or only uncovered predictions, counted
+    c = tables["curves"]
+    c = c[(c["run_key"] == s["run_key"]) & (c["stream"] == s["stream"])].sort_values("position_start")
+    assert 41 in set(c["position_start"]) and (c["n_paired"].isin([0]) | (c["n_paired"] == c["n"])).all()
+    assert c["n"].sum() == len(mine) and c["n_paired"].sum() == 40
+    inside = c[c["n_paired"] > 0]
+    assert np.isclose((inside["nll_paired"] * inside["n"]).sum() / 40, s["nll_paired"])
 
 
 @pytest.mark.parametrize(

@@ -140,6 +140,7 @@ def snapshot_tables(folder: Path) -> str:
 def _tables_text(name: str, tables: dict[str, pd.DataFrame], wanted: dict) -> str:
     from evictlab.analysis import stats as S
     from evictlab.analysis.report import (
+        band_cost_table,
         band_table,
         cost_table,
         mode_table,
@@ -169,6 +170,9 @@ def _tables_text(name: str, tables: dict[str, pd.DataFrame], wanted: dict) -> st
     if bands := wanted.get("bands"):
         out += ["", "perplexity over the stream, and mean NLL [nats] by position band:"]
         out.append(markdown(band_table(tables, bands)))
+        what = "exp(mean per-stream NLL difference) on the predictions both cover [95% CI; n streams]"
+        out += ["", f"paired cost by position band, policy / full cache: {what}:"]
+        out.append(markdown(band_cost_table(tables, bands)))
     if not tables["recall"].empty:
         depths = ", ".join(f"{d:g}" for d in sorted(tables["recall"]["depth"].unique()))
         out += ["", f"pass-key recall, exact (teacher-forced), recalled/streams (by needle depth {depths}):"]

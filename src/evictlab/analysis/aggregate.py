@@ -131,8 +131,15 @@ def stream_and_curve_rows(
     if documents is not None:
         s["documents"] = [documents[i] if i < len(documents) else None for i in s["stream"]]
     edges = R.position_buckets(int(pt["position"].max()))
-    pt = pt.assign(bucket=np.searchsorted(edges, pt["position"].to_numpy(), side="right") - 1)
-    c = pt.groupby(["stream", "bucket"])[cols].mean().reset_index()
+    if paired and pt["nll_full"].isna().any():  # no bucket straddles the reference's cap
+        edges = np.union1d(edges, [int(pt.loc[pt["nll_full"].notna(), "position"].max()) + 1])
+    pt = pt.assign(bucket=np.searchsorted(edges, pt["position"].to_numpy(), side="right") - 1, **paired)
+    by = pt.groupby(["stream", "bucket"])
+    c = by[[*cols, *paired]].mean()
+    c["n"] = by.size()  # the predictions the bucket holds, and those the reference covers
+    if paired:
+        c["n_paired"] = by["nll_full"].count()
+    c = c.reset_index()
     c["position"] = [float(np.sqrt(edges[b] * edges[min(b + 1, len(edges) - 1)])) for b in c["bucket"]]
     c["position_start"] = edges[c["bucket"]]
     return [base | r for r in s.to_dict("records")], [base | r for r in c.to_dict("records")]

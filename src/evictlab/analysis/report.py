@@ -194,22 +194,40 @@ def training_table(
     return t.fillna("-")
 
 
+def _bands(c: pd.DataFrame, edges: list[int]) -> tuple[pd.Series, list[str]]:
+    """Each curve row's position band (cut at `edges` by its bucket's first position) and the bands'
+    labels with their true edges: the first and last position the buckets in each band hold (a log-spaced
+    bucket that starts before an edge runs past it)."""
+    start = c["position_start"].astype(float)
+    end = np.round(start + S.bucket_width(c)).astype(int) - 1  # the bucket's last position
+    cut = pd.cut(start, [0, *edges, np.inf], right=False, labels=False)
+    labels = {}
+    for b in sorted(cut.dropna().unique()):
+        held = cut == b
+        labels[int(b)] = f"{int(start[held].min()):,} - {int(end[held].max()):,}"
+    return cut.map(labels), list(labels.values())
+
+
+def _weights(c: pd.DataFrame, column: str = "n") -> pd.Series:
+    """Predictions per curve row: its `column` count where aggregation recorded it, else its bucket's
+    width (tables from before the counts)."""
+    return c[column].astype(float) if column in c else S.bucket_width(c)
+
+
 def band_table(tables: dict[str, pd.DataFrame], edges: list[int]) -> pd.DataFrame:
     """Per run setting (policy, budget, position mode): perplexity over the whole stream (mean over its
     streams' NLL) and the mean NLL [nats] in position bands cut at `edges` (e.g. the training context and
-    a later point), token-weighted from `curves` (each log-spaced bucket counted in the band of its first
-    position, all streams pooled): where along a long stream a policy holds or fails."""
+    a later point), labelled with their true edges (`_bands`), each bucket weighted by the predictions it
+    holds (the full cache's by those its capped reference covers), all streams pooled: where along a long
+    stream a policy holds or fails. Costs against the full cache: `band_cost_table` (paired)."""
     c, streams = tables["curves"], tables["streams"]
     from_runs = False
     if not S.is_reference(streams).any() and "nll_full" in c and c["nll_full"].notna().any():
         c, streams = _reference_from_runs(c, streams, tables.get("results"))
         from_runs = True
-    width = S.bucket_width(c)
-    cuts = [0, *edges, np.inf]
-    names = [f"< {edges[0]:,}"] + [f"{a:,} - {b - 1:,}" for a, b in zip(edges, edges[1:], strict=False)]
-    names.append(f">= {edges[-1]:,}")
-    band = pd.cut(c["position_start"], cuts, right=False, labels=names)
-    c = c.assign(_w=width, _x=c["nll"] * width, band=band)
+    band, names = _bands(c, edges)
+    c = c.assign(_w=_weights(c), band=band)
+    c = c.assign(_x=c["nll"] * c["_w"])
     keys = ["strategy", "budget", "position_mode"]
     nll = c.groupby([*keys, "band"], observed=True)[["_x", "_w"]].sum()
     nll = (nll["_x"] / nll["_w"]).unstack("band")
@@ -239,6 +257,37 @@ def band_table(tables: dict[str, pd.DataFrame], edges: list[int]) -> pd.DataFram
     return out
 
 
+def band_cost_table(tables: dict[str, pd.DataFrame], edges: list[int]) -> pd.DataFrame:
+    """Per evicting policy, budget and mode (rows) x position band (`_bands`, true edges): the paired cost
+    against the full cache on the same predictions, exp(mean over streams of the stream's NLL difference
+    over the band's predictions that the full-cache reference covers), with its 95% CI over the streams
+    (`stats.summarize_streams`: Student's t below MIN_BOOTSTRAP_UNITS streams); "-" where the reference
+    covers none of the band. Cells "ratio [low, high]"; `n`: the streams."""
+    c = S.evicting(tables["curves"])
+    c = c[c["nll_full"].notna()]  # the predictions the reference covers: the bands' edges are theirs
+    band, names = _bands(c, edges)
+    if "nll_paired" in c:
+        nll, w = c["nll_paired"], _weights(c, "n_paired")
+    else:  # tables from before the paired columns: the bucket's NLL where its reference has a value
+        nll, w = c["nll"].where(c["nll_full"].notna()), _weights(c)
+    c = c.assign(band=band, _w=w, _x=(nll - c["nll_full"]) * w)
+    keys = ["strategy", "budget", "position_mode"]
+    per = c.groupby([*keys, "stream", "band"], observed=True)[["_x", "_w"]].sum()
+    per = per[per["_w"] > 0].assign(delta=lambda f: f["_x"] / f["_w"]).reset_index()
+    r = S.summarize_streams(per, "delta", np.exp, keys=(*keys, "band"))
+    P = S.PolicyOrder(tables["streams"])
+    r["cell"] = [f"{p:.3f} [{lo:.3f}, {hi:.3f}]" for p, lo, hi in r[["point", "low", "high"]].to_numpy()]
+    r["order"] = r["strategy"].map(P.order)
+    rows = ["order", "strategy", "budget", "position_mode", "n"]
+    t = r.pivot_table(index=rows, columns="band", values="cell", aggfunc="first").reset_index()
+    t = t.sort_values(["order", "budget", "position_mode"]).assign(
+        policy=lambda f: f["strategy"].map(P.label)
+    )
+    t["budget"] = [f"{int(b):,}" for b in t["budget"]]
+    cols = ["policy", "budget", "position_mode", "n", *[n for n in names if n in t]]
+    return t[cols].rename(columns={"position_mode": "mode"}).set_index("policy").fillna("-")
+
+
 def _reference_from_runs(curves: pd.DataFrame, streams: pd.DataFrame, results: pd.DataFrame | None):
     """A sweep without a full-cache run (its streams outrun the reference's cap): the full cache's rows from
     the reference every run carries (`nll_full`, over the predictions the cap covers), taken from the first
@@ -257,6 +306,8 @@ def _reference_from_runs(curves: pd.DataFrame, streams: pd.DataFrame, results: p
         label = "full cache (reference)"
     facts = {"strategy": "full", "strategy_label": label, "strategy_order": -1, "evicts": False}
     ref_c = pick.dropna(subset=["nll_full"]).assign(nll=lambda f: f["nll_full"], **facts)
+    if "n_paired" in ref_c:  # a bucket counts the predictions the reference covers
+        ref_c = ref_c.assign(n=ref_c["n_paired"])
     ref_s = one.assign(nll=one["nll_full"], **facts)
     return pd.concat([curves, ref_c], ignore_index=True), pd.concat([streams, ref_s], ignore_index=True)
 
@@ -299,6 +350,8 @@ def units_line(tables: dict[str, pd.DataFrame]) -> str:
     means = full.groupby(S.CLUSTER)["nll"].mean() if S.CLUSTER in full else full["nll"]
     ppl = float(np.exp(means.mean())) if len(full) else None
     what = f"{n_ck} training run(s) x {per} stream(s)" if n_ck > 1 else f"{per} stream(s)"
+    if n_ck == 1:  # the method summarize_streams takes at this n
+        what += " (Student's t)" if per < S.MIN_BOOTSTRAP_UNITS else " (bootstrap)"
     return f"CIs over {what}; full-cache perplexity {ppl:.3f}" if ppl else f"CIs over {what}"
 
 

@@ -78,6 +78,32 @@ def bootstrap_ci(
     return point, float(min(lo, point)), float(max(hi, point))
 
 
+MIN_BOOTSTRAP_UNITS = 10  # below this many units a percentile bootstrap under-covers: Student's t instead
+
+
+def t_ci(values: np.ndarray, level: float = 0.95) -> tuple[float, float, float]:
+    """(mean, low, high): Student's t interval of the mean of the units, valid at small n where their
+    mean is near normal (a percentile bootstrap over 4 values gives about a 70% interval)."""
+    from scipy import stats
+
+    values = np.asarray(values, dtype=float)
+    point = float(values.mean())
+    if len(values) < 2:
+        return point, point, point
+    half = float(
+        stats.t.ppf(1 - (1 - level) / 2, len(values) - 1) * values.std(ddof=1) / np.sqrt(len(values))
+    )
+    return point, point - half, point + half
+
+
+def mean_ci(values: np.ndarray, seed: int = 0) -> tuple[tuple[float, float, float], str]:
+    """The CI `summarize_streams` gives a group of one training: a bootstrap from MIN_BOOTSTRAP_UNITS units
+    on, Student's t below -> ((point, low, high), the method's name)."""
+    if len(values) < MIN_BOOTSTRAP_UNITS:
+        return t_ci(values), "t"
+    return bootstrap_ci(values, seed=seed), "bootstrap"
+
+
 def nested_bootstrap_ci(
     values: np.ndarray, clusters: np.ndarray, n_boot: int = 2000, seed: int = 0, level: float = 0.95
 ) -> tuple[float, float, float]:
@@ -107,18 +133,23 @@ def summarize_streams(
     """Per (strategy, budget, position_mode) or other keys: point estimate and 95% CI of mean(column)
     over (seed, stream) units, optionally transformed (exp for perplexity). Where a group holds several
     checkpoints (training seeds of one recipe), the CI is hierarchical: training run, then stream
-    (`nested_bootstrap_ci`). `n`: the units; `clusters`: the checkpoints they come from."""
+    (`nested_bootstrap_ci`); with one, a bootstrap over its units, or Student's t where they are fewer than
+    MIN_BOOTSTRAP_UNITS (`mean_ci`). `n`: the units; `clusters`: the checkpoints they come from; `method`:
+    the CI's."""
     rows = []
     keys = list(keys)
     for key, g in streams.groupby(keys, dropna=False):
         clusters = g[CLUSTER].to_numpy() if CLUSTER in g and CLUSTER not in keys else np.zeros(len(g))
-        point, lo, hi = nested_bootstrap_ci(g[column].to_numpy(), clusters)
+        if len(pd.unique(clusters)) > 1:
+            (point, lo, hi), method = nested_bootstrap_ci(g[column].to_numpy(), clusters), "nested bootstrap"
+        else:
+            (point, lo, hi), method = mean_ci(g[column].to_numpy())
         if transform is not None:
             point, lo, hi = transform(point), transform(lo), transform(hi)
         n_clusters = len(pd.unique(clusters))
         rows.append(
             dict(zip(keys, key, strict=True))
-            | {"point": point, "low": lo, "high": hi, "n": len(g), "clusters": n_clusters}
+            | {"point": point, "low": lo, "high": hi, "n": len(g), "clusters": n_clusters, "method": method}
         )
     return pd.DataFrame(rows)
 
