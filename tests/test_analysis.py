@@ -75,6 +75,13 @@ def test_aggregate_tidy_tables_and_failures(sweep: Path):
     named = t["streams"].groupby(["seed", "stream"])["documents"].agg(set)
     assert named.map(len).tolist() == [1] * 4 and all(next(iter(x)) for x in named)
     assert named[0, 0] != named[1, 0]  # another seed, another stretch of text
+    # every run records per layer the share of steps its cache holds each of positions 0-3
+    held = t["layers"][t["layers"]["metric"].str.startswith("held_p")]
+    p0 = held[held["metric"] == "held_p0"].groupby(["strategy", "budget"])["value"]
+    assert (p0.min()[["full", "streaming_llm"]] == 1.0).all() and (p0.max()["window"] < 1).all()
+    n = int(res["cfg.eval.stream_len"].iloc[0]) - 1
+    assert np.allclose(p0.mean()["window", 16], 17 / n)  # steps 0 .. 16 attend to it, of n
+    assert set(held["metric"]) == {"held_p0", "held_p1", "held_p2", "held_p3"}
     c = t["curves"]
     by_stream = c.groupby(["run_key", "stream"])
     assert c["position"].min() >= 1 and by_stream["position_start"].is_monotonic_increasing.all()

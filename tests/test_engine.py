@@ -548,3 +548,44 @@ def test_progress_time_left_counts_streaming_time_only():
     assert p.line() == "x: 25/100 token-steps (25%), 2.5/s, streaming ~30 s left"
     assert [duration(s) for s in (42, 750, 11_520)] == ["42 s", "12.5 min", "3.2 h"]
     p.close()
+
+
+def test_sampled_steps_draw_one_step_in_each_equal_stratum():
+    from evictlab.eval.spec import sampled_steps
+
+    assert sampled_steps(10, 0) == list(range(10)) == sampled_steps(10, 10) == sampled_steps(10, 40)
+    steps = sampled_steps(1000, 8)
+    assert len(steps) == 8 and steps == sorted(steps) and sampled_steps(1000, 8) == steps  # seeded
+    assert all(125 * i <= t < 125 * (i + 1) for i, t in enumerate(steps))
+    assert len({t % 125 for t in steps}) > 1  # drawn, not the strata's starts
+    with pytest.raises(ConfigError, match="eval.recompute_sample=-1 must be >= 0"):
+        StreamSpec(recompute_sample=-1)
+
+
+@pytest.mark.parametrize("n_sink", [0, 1])
+def test_a_sampled_recompute_run_scores_the_sampled_steps_as_the_whole_run_does(model, tokens, n_sink):
+    """eval.recompute_sample=k: the k sampled steps (some before the window fills, some after) carry the
+    values of the unsampled run, every other step is NaN on both sides (the full cache's NLL too), and the
+    summary's means are over the scored steps."""
+    from evictlab.eval.spec import sampled_steps
+
+    policy = make_policy("recompute_window", n_sink=n_sink)
+    ref = full_reference(model, tokens)
+    whole = stream(model, tokens, policy, 6, StreamSpec(block=8), reference=ref)
+    ticks: list[int] = []
+    some = stream(
+        model, tokens, policy, 6, StreamSpec(block=8, recompute_sample=9), reference=ref, tick=ticks.append
+    )
+    steps = sampled_steps(tokens.shape[1] - 1, 9)
+    assert min(steps) < 7 <= max(steps) and sum(ticks) == 2 * 9
+    for name in ("nll", "correct", "kl", "agree"):
+        a, b = getattr(whole, name), getattr(some, name)
+        torch.testing.assert_close(b[:, steps], a[:, steps], rtol=0, atol=1e-5)
+        rest = torch.ones(a.shape[1], dtype=torch.bool)
+        rest[steps] = False
+        assert b[:, rest].isnan().all()
+    res = evaluate(model, tokens, policy, 6, StreamSpec(block=8, recompute_sample=9))
+    nll, full = res.per_token["nll"], res.per_token["nll_full"]
+    assert np.array_equal(np.isnan(nll), np.isnan(full)) and res.summary["scored_tokens"] == 2 * 9
+    assert res.summary["ppl"] == pytest.approx(math.exp(np.nanmean(nll)))
+    assert res.summary["full_reference_len"] == tokens.shape[1] - 1

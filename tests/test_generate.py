@@ -106,6 +106,6 @@ def test_recompute_window_re_encodes_from_position_zero_in_both_modes():
     logits = model.forward_with(tokens[:, t - budget : t + 1], torch.arange(budget + 1))[:, -1]
     expected = -torch.log_softmax(logits, -1).gather(-1, tokens[:, t + 1 : t + 2])[:, 0]
     torch.testing.assert_close(a.nll[:, t], expected, rtol=0, atol=1e-12)
-    nll, _ = naive_stream(model, tokens[0], policy, budget, StreamSpec(position_mode="original"))
+    nll, _, _ = naive_stream(model, tokens[0], policy, budget, StreamSpec(position_mode="original"))
     torch.testing.assert_close(nll, a.nll[0], rtol=0, atol=1e-10)
     assert generate(model, tokens[:, :20], policy, budget, 25).shape == (2, 25)  # past the table too

@@ -14,6 +14,7 @@ import torch
 from evictlab.cache import POLICIES, make_policy
 from evictlab.cache.policies import StepContext, choose_victim
 from evictlab.eval import PositionMode, StreamSpec, full_reference, naive_stream, stream
+from evictlab.eval.caches import held_share
 from evictlab.eval.engine import plan
 from evictlab.models.gpt import GPT, GPTConfig
 
@@ -95,11 +96,15 @@ def test_engine_equals_reference_loop(setup, name, mode, size):
     budget = small_budget(name) if size == "small" else T
     out = run(setup, name, mode, budget)
     policy = policy_of(name)
+    n = tokens.shape[1] - 1
     for b in range(tokens.shape[0]):
-        nll, kept = naive_stream(
+        nll, kept, last = naive_stream(
             model, tokens[b], policy, budget, StreamSpec(position_mode=mode), reference=ref, doc=b, row=b
         )
         assert (nll - out.nll[b]).abs().max().item() <= 1e-5, (name, mode, b)
+        # the same steps attend to each of positions 0-3, on every path (the parallel one by its window)
+        held, engine_held = held_share(last, n), held_share(out.last_attended[b], n)
+        assert torch.equal(held, engine_held.expand_as(held)), (name, mode, b, held, engine_held)
         for l, pos in enumerate(kept if out.kept else []):  # loop path: the same entries survive
             for h in range(pos.shape[1]):
                 engine_pos = out.kept[l][b, h]
@@ -157,8 +162,11 @@ def test_window_is_the_same_in_both_position_modes(setup):
 
 
 def assert_same_stream(fast, loop) -> None:
-    """A fast path's per-token values, diagnostics and occupancy equal the token loop's."""
+    """A fast path's per-token values, diagnostics, occupancy and the steps attending to positions 0-3
+    equal the token loop's."""
     torch.testing.assert_close(fast.nll, loop.nll, rtol=0, atol=1e-10)
+    held, loop_held = (held_share(out.last_attended, fast.nll.shape[1]) for out in (fast, loop))
+    assert torch.equal(held.expand_as(loop_held), loop_held)  # (the parallel path's: one head for all)
     torch.testing.assert_close(fast.kl, loop.kl, rtol=0, atol=1e-10, equal_nan=True)  # (NaN: no reference)
     assert torch.equal(fast.correct, loop.correct)
     torch.testing.assert_close(fast.lost, loop.lost, rtol=0, atol=1e-10, equal_nan=True)
@@ -510,7 +518,7 @@ def test_readme_add_a_policy_example_works(setup):
         assert "keep_first" in POLICIES
         model, tokens, ref = setup
         out = stream(model, tokens, make_policy("keep_first", n_recent=2), 10, reference=ref)
-        nll, kept = naive_stream(model, tokens[0], make_policy("keep_first", n_recent=2), 10)
+        nll, kept, _ = naive_stream(model, tokens[0], make_policy("keep_first", n_recent=2), 10)
         assert (nll - out.nll[0]).abs().max() <= 1e-10
         assert kept[0][0, 0].tolist() == [*range(8), 37, 38]  # the first entries and the 2 most recent
     finally:

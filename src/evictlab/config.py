@@ -235,6 +235,10 @@ class EvalConfig:
     # argmax until the first wrong token; tests/test_recall.py checks it), and it re-streams every prompt
     # through the token loop, which on SmolLM2 took twice the evaluation itself: false skips it
     recall_greedy: bool = field(default=True, metadata=neutral(True))
+    # window + recompute (strategy=recompute_window) scores only this many predictions per stream, one per
+    # equal stratum (eval/spec.py sampled_steps): every prediction costs a forward over the window, hours
+    # on a real model; the sampling adds to each stream's variance, so it enters the CIs. 0: every one
+    recompute_sample: int = field(default=0, metadata=neutral(0))
 
     def __post_init__(self) -> None:
         if self.n_streams < 1:

@@ -136,7 +136,7 @@ def stream_and_curve_rows(
     pt = pt.assign(bucket=np.searchsorted(edges, pt["position"].to_numpy(), side="right") - 1, **paired)
     by = pt.groupby(["stream", "bucket"])
     c = by[[*cols, *paired]].mean()
-    c["n"] = by.size()  # the predictions the bucket holds, and those the reference covers
+    c["n"] = by["nll"].count()  # the predictions the bucket scores (all but a sampled run's), those covered
     if paired:
         c["n_paired"] = by["nll_full"].count()
     c = c.reset_index()

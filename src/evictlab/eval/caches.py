@@ -21,6 +21,29 @@ from __future__ import annotations
 
 import torch
 
+N_FIRST = 4  # the first positions whose eviction step a cache records (and whose attention full.py measures)
+
+
+def last_attended(windows: list[tuple[int, int | None]], n: int) -> torch.Tensor:
+    """[L, N_FIRST]: for a position-static window per layer, (n_sink, lookback) as `BandCache` keeps it, the
+    last step whose query attends to each of the first positions (-1: every step of a stream of n). A key
+    at p >= n_sink is attended by queries t <= p + lookback."""
+    p = torch.arange(N_FIRST)
+    rows = []
+    for n_sink, lookback in windows:
+        last = p + lookback if lookback is not None else torch.full_like(p, -1)
+        rows.append(torch.where((p < n_sink) | (last >= n - 1), -1, last))
+    return torch.stack(rows)
+
+
+def held_share(last: torch.Tensor, n: int) -> torch.Tensor:
+    """last [..., N_FIRST] (last_attended, or SlotCache.dropped: the step whose eviction removed each of
+    the first positions, -1 never) -> the share of the steps t >= p of a stream of n predictions whose
+    query attends to position p, same shape (float)."""
+    p = torch.arange(N_FIRST, device=last.device)
+    last = torch.where(last < 0, n - 1, last)
+    return ((last - p + 1).clamp(min=0) / (n - p).clamp(min=1)).float()
+
 
 class BandCache:
     """One layer's keys and values that later queries can still reach: positions < n_sink and the last
@@ -58,7 +81,7 @@ class BandCache:
         return causal & ((kpos[None, :] < self.n_sink) | (kpos[None, :] >= qpos[:, None] - self.lookback))
 
 
-_ROW_FIELDS = ("k", "v", "pos", "free", "last_raw")  # SlotCache's tensors with a row per document (dim 0)
+_ROW_FIELDS = ("k", "v", "pos", "free", "last_raw", "dropped")  # SlotCache's tensors with a row per document
 
 
 class SlotCache:
@@ -73,6 +96,10 @@ class SlotCache:
         self.state = state
         self.free = torch.zeros(B, Hkv, dtype=torch.long, device=like.device)  # slot for the next entry
         self.last_raw = like.new_zeros(B, Hkv, 1, D)  # the previous token's raw key (for smeared keys)
+        # the step whose eviction removed each of the first N_FIRST positions (-1: held so far): that step's
+        # query still attended to it (held_share)
+        self.dropped = torch.full((B, Hkv, N_FIRST), -1, dtype=torch.long, device=like.device)
+        self.t: int | torch.Tensor = 0  # the step of the last update
         self.count = 0  # entries held (the same for every document and head)
         self.used = 0  # slots written at least once (slots fill in order until the first eviction)
         self.rank: torch.Tensor | None = None  # track_ranks(): each slot's rank by position among the held
@@ -88,7 +115,7 @@ class SlotCache:
         for name in _ROW_FIELDS:
             setattr(out, name, torch.cat([getattr(c, name) for c in caches]))
         out.state = {name: torch.cat([c.state[name] for c in caches]) for name in first.state}
-        out.count, out.used = first.count, first.used
+        out.count, out.used, out.t = first.count, first.used, first.t
         out.rank = None if first.rank is None else torch.cat([c.rank for c in caches])
         return out
 
@@ -99,7 +126,7 @@ class SlotCache:
         for name in _ROW_FIELDS:
             setattr(out, name, getattr(self, name)[lo:hi])
         out.state = {name: st[lo:hi] for name, st in self.state.items()}
-        out.count, out.used = self.count, self.used
+        out.count, out.used, out.t = self.count, self.used, self.t
         out.rank = None if self.rank is None else self.rank[lo:hi]
         return out
 
@@ -120,6 +147,7 @@ class SlotCache:
         self.k.scatter_(2, slot[..., None].expand(B, Hkv, 1, D), k)
         self.v.scatter_(2, slot[..., None].expand(B, Hkv, 1, D), v)
         self.pos.scatter_(2, slot, t.expand(slot.shape) if isinstance(t, torch.Tensor) else t)
+        self.t = t
         for name, st in self.state.items():
             idx = slot.view(B, Hkv, 1, *([1] * (st.dim() - 3))).expand(B, Hkv, 1, *st.shape[3:])
             if name in init:
@@ -142,6 +170,10 @@ class SlotCache:
         if victim is None:
             self.free.fill_(self.count)
             return
+        gone = self.pos.gather(2, victim[:, :, None])  # [B, Hkv, 1]: each row's evicted position
+        first = gone == torch.arange(N_FIRST, device=gone.device)  # [B, Hkv, N_FIRST]
+        t = self.t if isinstance(self.t, torch.Tensor) else torch.tensor(self.t, device=gone.device)
+        self.dropped.copy_(torch.where(first, t, self.dropped))  # (t: a step, or [B, 1, 1] one per row)
         self.pos.scatter_(2, victim[:, :, None], -1)
         if self.rank is not None:  # the entries after the victim move down one rank
             self.rank.add_(self.rank > self.rank.gather(2, victim[:, :, None]), alpha=-1)

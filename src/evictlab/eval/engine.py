@@ -31,9 +31,10 @@ from evictlab.cache.budget import budgets_for
 from evictlab.cache.policies import Policy
 from evictlab.errors import ConfigError
 from evictlab.eval.blocked import stream_blocked
+from evictlab.eval.caches import last_attended
 from evictlab.eval.full import FullReference, Tick
 from evictlab.eval.loop import stream_loop
-from evictlab.eval.spec import DEFAULT, PositionMode, StreamSpec, check_positions
+from evictlab.eval.spec import DEFAULT, PositionMode, StreamSpec, check_positions, sampled_steps
 from evictlab.eval.static import stream_recompute, stream_static
 from evictlab.models.gpt import GPT
 
@@ -69,6 +70,8 @@ class StreamOutput:
     agree: torch.Tensor | None = None  # [B, n] top-1 agreement with the full cache
     lost: torch.Tensor | None = None  # [B, n, L] full-cache attention on entries the policy does not hold
     first4_mass: torch.Tensor | None = None  # [B, n, L] full-cache attention on positions 0-3
+    # [B, L, Hkv or 1, N_FIRST]: the last step whose query attends to each of positions 0-3 (-1: every step)
+    last_attended: torch.Tensor | None = None
     block: int = 0  # Plan.block
     seconds: float = 0.0
     policy_seconds: float = 0.0  # time inside policy scoring and victim selection
@@ -116,11 +119,30 @@ def plan(policy: Policy, budget: int, spec: StreamSpec, n_layer: int, T: int, wi
 Runner = Callable[..., StreamOutput]
 
 
-def _static_output(per_token: dict, tokens: torch.Tensor, p: Plan) -> StreamOutput:
-    """A static path's output: layer l holds min(step, budget_l) entries after each step."""
-    steps = torch.arange(1, tokens.shape[1], device=tokens.device)
+def _static_output(per_token: dict, tokens: torch.Tensor, p: Plan, windows) -> StreamOutput:
+    """A static path's output: layer l holds min(step, budget_l) entries after each step, and its
+    window (n_sink, lookback) decides which steps attend to the first positions."""
+    B, T = tokens.shape
+    steps = torch.arange(1, T, device=tokens.device)
     occupancy = torch.stack([steps.clamp(max=b) for b in p.budgets], dim=-1)
-    return StreamOutput(**per_token, occupancy=occupancy, path=p.path, budgets=list(p.budgets))
+    last = last_attended(windows, T - 1).to(tokens.device)[None, :, None].expand(B, -1, 1, -1)
+    return StreamOutput(
+        **per_token, occupancy=occupancy, path=p.path, budgets=list(p.budgets), last_attended=last
+    )
+
+
+def _cache_output(per_token: dict, loop, p: Plan, **extra) -> StreamOutput:
+    """A slot-cache path's output (blocked, loop): what its caches held, when they dropped positions 0-3."""
+    return StreamOutput(
+        **per_token,
+        occupancy=loop.occupancy,
+        path=p.path,
+        budgets=list(p.budgets),
+        policy_seconds=loop.policy_seconds,
+        kept=[c.pos.clone() for c in loop.caches],
+        last_attended=torch.stack([c.dropped for c in loop.caches], 1),
+        **extra,
+    )
 
 
 def run_parallel(
@@ -130,16 +152,17 @@ def run_parallel(
     cache_mode = spec.position_mode is PositionMode.cache
     ablate = (policy.part, policy.ablated(len(windows))) if policy.ablation else None
     per_token = stream_static(model, tokens, windows, reference, p.block, cache_mode, ablate, tick)
-    return _static_output(per_token, tokens, p)
+    return _static_output(per_token, tokens, p, windows)
 
 
 def run_recompute(
     model, tokens, policy, p: Plan, reference, doc, spec: StreamSpec, tick: Tick | None = None
 ) -> StreamOutput:
+    steps = sampled_steps(tokens.shape[1] - 1, spec.recompute_sample)
     per_token = stream_recompute(
-        model, tokens, p.budgets[0] + 1, reference, p.block, n_sink=policy.n_sink, tick=tick
+        model, tokens, p.budgets[0] + 1, reference, p.block, n_sink=policy.n_sink, tick=tick, steps=steps
     )
-    return _static_output(per_token, tokens, p)
+    return _static_output(per_token, tokens, p, [policy.static_window(b) for b in p.budgets])
 
 
 def run_blocked(
@@ -149,14 +172,7 @@ def run_blocked(
     per_token, loop = stream_blocked(
         model, tokens, policy, budgets, spec.position_mode, reference, doc, p.block, tick
     )
-    return StreamOutput(
-        **per_token,
-        occupancy=loop.occupancy,
-        path=p.path,
-        budgets=budgets,
-        policy_seconds=loop.policy_seconds,
-        kept=[c.pos.clone() for c in loop.caches],
-    )
+    return _cache_output(per_token, loop, p)
 
 
 def run_loop(
@@ -166,16 +182,8 @@ def run_loop(
     per_token, loop, _ = stream_loop(
         model, tokens, policy, budgets, mode, reference, doc, compile=p.compiled, tick=tick
     )
-    return StreamOutput(
-        **per_token,
-        occupancy=loop.occupancy,
-        path=p.path,
-        budgets=budgets,
-        lost=None if loop.lost is None else loop.lost.values,
-        policy_seconds=loop.policy_seconds,
-        compile_seconds=loop.compile_seconds,
-        kept=[c.pos.clone() for c in loop.caches],
-    )
+    lost = None if loop.lost is None else loop.lost.values
+    return _cache_output(per_token, loop, p, lost=lost, compile_seconds=loop.compile_seconds)
 
 
 RUNNERS: dict[str, Runner] = {

@@ -17,11 +17,12 @@ import torch
 from evictlab.cache.budget import budgets_for
 from evictlab.cache.policies import Policy, full_cache
 from evictlab.errors import ConfigError
+from evictlab.eval.caches import held_share
 from evictlab.eval.engine import StreamOutput, generate, stream
 from evictlab.eval.full import FullAttention, FullReference, full_reference
 from evictlab.eval.progress import StreamProgress, duration
 from evictlab.eval.shared import SharedReferences
-from evictlab.eval.spec import DEFAULT, StreamSpec, check_reference_cap
+from evictlab.eval.spec import DEFAULT, StreamSpec, check_reference_cap, sampled_steps
 from evictlab.eval.static import full_logp
 from evictlab.models.gpt import GPT
 from evictlab.perf import peak_rss_bytes
@@ -141,7 +142,8 @@ def run_batches(
     start = time.perf_counter()
     N, T = tokens.shape
     n_batches = -(-N // spec.batch_size)
-    progress = StreamProgress(N * (T - 1), f"{policy.name} b={budget}", bar=spec.progress)
+    steps = len(sampled_steps(T - 1, spec.recompute_sample)) if policy.recompute else T - 1
+    progress = StreamProgress(N * steps, f"{policy.name} b={budget}", bar=spec.progress)
     for b0 in batch_order(model, tokens, policy, spec, shared):
         batch = tokens[b0 : b0 + spec.batch_size]
         i = b0 // spec.batch_size
@@ -169,6 +171,7 @@ def collect_per_token(b: Batches) -> dict[str, np.ndarray]:
         full = np.full(per_token["nll"].shape, np.nan, dtype=np.float32)  # NaN past the reference's cap
         for r, b0 in zip(b.refs, b.starts, strict=True):
             full[b0 : b0 + r.streams, : r.nll.shape[1]] = r.nll
+        full[np.isnan(per_token["nll"])] = np.nan  # steps a sampled run did not score: neither side
         per_token["nll_full"] = full
     return per_token
 
@@ -190,17 +193,18 @@ def summarize(model, policy, budget, spec, tokens, b: Batches, per_token) -> dic
         "block": o0.block,
         "n_streams": N,
         "stream_len": T,
-        "scored_tokens": int(nll.size),
-        "ppl": math.exp(float(nll.mean())),
-        "ppl_second_half": math.exp(float(nll[:, n // 2 :].mean())),
-        "nll_mean": float(nll.mean()),
-        "top1_accuracy": float(per_token["correct"].mean()),
+        # (a sampled recompute run, eval.recompute_sample, scores some steps: NaN at the others)
+        "scored_tokens": int(np.isfinite(nll).sum()),
+        "ppl": math.exp(float(np.nanmean(nll))),
+        "ppl_second_half": math.exp(float(np.nanmean(nll[:, n // 2 :]))),
+        "nll_mean": float(np.nanmean(nll)),
+        "top1_accuracy": float(np.nanmean(per_token["correct"])),
         "occupancy_max": int(o0.occupancy.max()),
         "kv_bytes": kv_bytes(model, policy, budget, T, spec),
         "kv_bytes_full": kv_bytes(model, full_cache(), 0, T),
         "peak_rss_bytes": peak_rss_bytes(),
         "seconds": b.seconds,
-        "token_steps_per_s": N * n / max(1e-12, stream_s - compile_s),
+        "token_steps_per_s": int(np.isfinite(nll).sum()) / max(1e-12, stream_s - compile_s),
         "compile_s": compile_s,
         # a compiled step fuses the policy into the layer: its time cannot be told apart (NaN)
         "policy_time_share": (
@@ -210,7 +214,7 @@ def summarize(model, policy, budget, spec, tokens, b: Batches, per_token) -> dic
     if "kl" in per_token:  # over the steps the full-cache reference covers
         covered = ~np.isnan(per_token["nll_full"])
         summary |= {
-            "full_reference_len": int(covered.sum(1).max()),
+            "full_reference_len": max(r.nll.shape[1] for r in b.refs),
             "kl_mean": float(np.nanmean(per_token["kl"])),
             "agreement": float(np.nanmean(per_token["agree"])),
             "ppl_full": math.exp(float(np.nanmean(per_token["nll_full"]))),
@@ -218,14 +222,34 @@ def summarize(model, policy, budget, spec, tokens, b: Batches, per_token) -> dic
         }
     if "lost" in per_token:
         summary["attention_lost"] = float(np.nanmean(per_token["lost"]))
+    held = held_shares(b, n)
+    if held is not None:  # the share of steps whose query attends to position 0, mean over layers
+        summary["position0_held"] = float(held[:, 0].mean())
     return summary
+
+
+def held_shares(b: Batches, n: int) -> np.ndarray | None:
+    """[L, N_FIRST]: per layer, the share of the steps t >= p at which the policy's cache holds position p
+    (its query attends to it), over the streams and KV heads (`caches.held_share`)."""
+    last = b.cat("last_attended")
+    if last is None:
+        return None
+    return held_share(torch.from_numpy(last).long(), n).mean(dim=(0, 2)).numpy()
 
 
 def layer_table(b: Batches, per_token: dict[str, np.ndarray]) -> pd.DataFrame:
     """Tidy per-layer values (head <NA>) and per-head ones: each layer's budget, the attention it lost, the
-    full cache's attention on positions 0-3 (first4_mass, per layer) and on position 0 (per head)."""
+    share of steps it holds each of positions 0-3 (held_p0 .. held_p3), the full cache's attention on
+    positions 0-3 (first4_mass, per layer) and on position 0 (per head)."""
     budgets = b.outs[0].budgets
     rows = [{"layer": l, "head": None, "metric": "budget", "value": float(x)} for l, x in enumerate(budgets)]
+    held = held_shares(b, per_token["nll"].shape[1])
+    if held is not None:
+        rows += [
+            {"layer": l, "head": None, "metric": f"held_p{p}", "value": float(held[l, p])}
+            for l in range(held.shape[0])
+            for p in range(held.shape[1])
+        ]
     for name, metric in (("lost", "attention_lost"), ("first4_mass", "first4_mass")):
         if name in per_token:
             by_layer = np.nanmean(per_token[name], axis=(0, 1))

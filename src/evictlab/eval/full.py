@@ -10,12 +10,12 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from evictlab.eval.caches import N_FIRST  # the first positions: `first4_mass` is the attention on them
 from evictlab.models.gpt import GPT, CausalSelfAttention
 from evictlab.models.rope import Rope
 
 Tick = Callable[[int], None]  # told each block's token-steps as they are recorded (eval/progress.py)
 
-N_FIRST = 4  # the first positions whose full-cache attention `first4_mass` measures
 ROW_BYTES = 256 << 20  # attention rows a reference computes (and keeps) at once, summed over its layers
 
 

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from evictlab.cache.budget import budgets_for
 from evictlab.cache.policies import Policy, StepContext, choose_victim
+from evictlab.eval.caches import N_FIRST
 from evictlab.eval.full import FullReference
 from evictlab.eval.spec import DEFAULT, PositionMode, StreamSpec, check_positions
 from evictlab.models.gpt import GPT, PosEmb
@@ -24,6 +25,7 @@ class _NaiveCache:
         self.k = self.v = self.pos = None
         self.last_raw = None  # the previous token's raw key (for smeared keys)
         self.state: dict[str, torch.Tensor] = {}
+        self.dropped: dict[tuple[int, int], int] = {}  # (head, position < N_FIRST) -> the step evicting it
 
     def update(self, k, v, t: int, fresh: dict[str, torch.Tensor]) -> None:
         p = torch.full((1, k.shape[1], 1), t)
@@ -34,9 +36,13 @@ class _NaiveCache:
         self.pos = torch.cat([self.pos, p], dim=2)
         self.state = {name: torch.cat([self.state[name], fresh[name]], dim=2) for name in fresh}
 
-    def evict(self, victim: torch.Tensor) -> None:
-        """Delete the entry at index victim [1, Hkv] of each head (rows shift down)."""
+    def evict(self, victim: torch.Tensor, t: int) -> None:
+        """Delete the entry at index victim [1, Hkv] of each head at step t (rows shift down)."""
         _, Hkv, m, D = self.k.shape
+        for h in range(Hkv):
+            p = int(self.pos[0, h, victim[0, h]])
+            if p < N_FIRST:
+                self.dropped[h, p] = t
         keep = torch.arange(m)[None, None, :] != victim[..., None]  # [1, Hkv, m]
         self.k = self.k[keep[..., None].expand_as(self.k)].view(1, Hkv, m - 1, D)
         self.v = self.v[keep[..., None].expand_as(self.v)].view(1, Hkv, m - 1, D)
@@ -94,7 +100,7 @@ class _NaiveStep:
         ctx = StepContext(t, l, self.budgets[l], c.pos, c.k, row, c.state, torch.tensor([self.doc]), future)
         self.policy.observe(ctx)
         if c.k.shape[2] > self.budgets[l]:
-            c.evict(choose_victim(self.policy.scores(ctx), c.pos))
+            c.evict(choose_victim(self.policy.scores(ctx), c.pos), t)
 
 
 @torch.no_grad()
@@ -108,16 +114,20 @@ def naive_stream(
     reference: FullReference | None = None,
     doc: int = 0,
     row: int = 0,
-) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """Stream one document tokens [T]; returns per-token NLL [T-1] and each layer's final positions.
+) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor]:
+    """Stream one document tokens [T]; returns per-token NLL [T-1], each layer's final positions and, per
+    layer and KV head, the step whose eviction removed each of the first N_FIRST positions (-1: never):
+    [L, Hkv, N_FIRST] (a recompute window: the last step whose window holds it, [L, 1, N_FIRST]).
 
     `reference`/`row`: the full-cache run (and this document's row in it), for the oracle.
     """
     check_positions(model.cfg, spec.position_mode)
     n = tokens.shape[0] - 1
-    budgets = budgets_for(model.cfg.n_layer, policy, budget, spec.allocation, n)
+    L, Hkv = model.cfg.n_layer, model.cfg.kv_heads
+    budgets = budgets_for(L, policy, budget, spec.allocation, n)
     if policy.recompute:
-        return _naive_recompute(model, tokens, budgets[0], policy.n_sink), []
+        nll, last = _naive_recompute(model, tokens, budgets[0], policy.n_sink)
+        return nll, [], last.expand(L, 1, N_FIRST)
     step = _NaiveStep(model, policy, budgets, spec.position_mode, reference, doc, row)
     nll = []
     for t in range(n):
@@ -125,19 +135,31 @@ def naive_stream(
             tokens[None, t : t + 1], torch.tensor([t]), lambda l, a, h, t=t: step(l, t, a, h)
         )
         nll.append(-F.log_softmax(logits[0, 0], dim=-1)[tokens[t + 1]])
-    return torch.stack(nll), [c.pos for c in step.caches if c.pos is not None]
+    dropped = torch.full((L, Hkv, N_FIRST), -1, dtype=torch.long)
+    for l, c in enumerate(step.caches):
+        for (h, p), t in c.dropped.items():
+            dropped[l, h, p] = t
+    return torch.stack(nll), [c.pos for c in step.caches if c.pos is not None], dropped
 
 
-def _naive_recompute(model: GPT, tokens: torch.Tensor, budget: int, n_sink: int = 0) -> torch.Tensor:
+def _naive_recompute(model: GPT, tokens: torch.Tensor, budget: int, n_sink: int = 0):
     """Sliding window with re-computation, one window at a time, re-encoded from position 0 (the first
-    n_sink tokens first, once the prefix no longer fits)."""
-    nll = []
-    for t in range(tokens.shape[0] - 1):
+    n_sink tokens first, once the prefix no longer fits) -> (NLL [T-1], [N_FIRST] the last step whose window
+    holds each of the first positions, -1 every step)."""
+    nll, n = [], tokens.shape[0] - 1
+    last = torch.full((N_FIRST,), -1, dtype=torch.long)
+    for t in range(n):
         if t <= budget:
-            win = tokens[None, : t + 1]
+            win, held = tokens[None, : t + 1], list(range(t + 1))
         else:
             win = torch.cat([tokens[:n_sink], tokens[t - budget + n_sink : t + 1]])[None]
+            held = [*range(n_sink), *range(t - budget + n_sink, t + 1)]
+        for p in range(N_FIRST):
+            if p in held and t < n - 1:
+                last[p] = t
+            elif p in held:  # held at the last step: held at every step from p on
+                last[p] = -1
         pos = torch.arange(win.shape[1])
         logp = F.log_softmax(model.forward_with(win, pos)[0, -1], dim=-1)
         nll.append(-logp[tokens[t + 1]])
-    return torch.stack(nll)
+    return torch.stack(nll), last

@@ -35,6 +35,10 @@ class StreamSpec:
     block: int = 2048  # queries per block on the static paths (memory O(block x (block + budget)))
     full_max_len: int = 4096  # the full-cache reference covers at most this many predictions per stream
     compile: bool = False  # the token loop with its steady-state step compiled (instead of the blocked path)
+    # the recompute path (window + re-computation, a fresh forward over the window per prediction) scores
+    # only this many predictions per stream, one drawn in each of as many equal strata of the stream
+    # (`sampled_steps`); 0: every prediction. Other paths score every prediction.
+    recompute_sample: int = 0
 
     def __post_init__(self) -> None:  # accept the enums' string values too
         object.__setattr__(self, "position_mode", PositionMode(self.position_mode))
@@ -42,6 +46,26 @@ class StreamSpec:
         for key in ("batch_size", "block", "full_max_len"):
             if isinstance(getattr(self, key), bool) or getattr(self, key) < 1:
                 raise ConfigError(f"eval.{key}={getattr(self, key)} must be >= 1")
+        if isinstance(self.recompute_sample, bool) or self.recompute_sample < 0:
+            raise ConfigError(
+                f"eval.recompute_sample={self.recompute_sample} must be >= 0 (0: every prediction)"
+            )
+
+
+SAMPLE_SEED = 0  # the strata's draws: the same predictions for every stream, run and arm (paired)
+
+
+def sampled_steps(n: int, k: int) -> list[int]:
+    """k of the steps 0 .. n-1, one drawn (seeded: SAMPLE_SEED) in each of k equal strata, ascending; all n
+    steps when k is 0 or >= n. The mean over them estimates the mean over every step without bias (each
+    stratum holds n / k steps, up to one)."""
+    import numpy as np
+
+    if k == 0 or k >= n:
+        return list(range(n))
+    edges = np.linspace(0, n, k + 1).round().astype(int)
+    u = np.random.default_rng(SAMPLE_SEED).random(k)
+    return [int(a + x * (b - a)) for a, b, x in zip(edges[:-1], edges[1:], u, strict=True)]
 
 
 def check_positions(model: GPTConfig, mode: PositionMode | str, stream_len: int | None = None) -> None:

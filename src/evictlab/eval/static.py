@@ -133,6 +133,7 @@ def stream_recompute(
     chunk_tokens: int = 2048,
     n_sink: int = 0,
     tick: Tick | None = None,
+    steps: list[int] | None = None,
 ):
     """Window of the last W = budget + 1 tokens, re-encoded at positions 0 .. W-1 for every prediction (the
     StreamingLLM paper's baseline, in both position modes: RoPE scores depend only on distances, and
@@ -147,8 +148,10 @@ def stream_recompute(
     inp, tgt = tokens[:, :-1], tokens[:, 1:]
     B, n = inp.shape
     rec = Recorder(tgt, [(n_sink, W - 1 - n_sink)] * model.cfg.n_layer, ref, tick)
-    rec.add(0, model(inp[:, : min(W, n)]))  # steps 0 .. W-1: the window is the prefix
     rows_per_chunk = max(1, chunk_tokens // W)
+    if steps is not None and len(steps) < n:
+        return _recompute_steps(model, inp, W, rec, steps, rows_per_chunk, n_sink)
+    rec.add(0, model(inp[:, : min(W, n)]))  # steps 0 .. W-1: the window is the prefix
     for s in range(W, n, block):
         e = min(n, s + block)
         rows, pos = recompute_windows(inp, W, s, e, n_sink), torch.arange(W, device=tokens.device)
@@ -156,6 +159,29 @@ def stream_recompute(
         for r in range(0, rows.shape[0], rows_per_chunk):
             parts.append(model.forward_with(rows[r : r + rows_per_chunk], pos, last_only=True))
         rec.add(s, torch.cat(parts).view(B, e - s, -1))
+    return rec.out
+
+
+def _recompute_steps(
+    model: GPT, inp, W: int, rec: Recorder, steps: list[int], rows_per_chunk: int, n_sink: int
+):
+    """`stream_recompute` at the given steps only (the others stay NaN): those before W from one causal
+    forward of the prefix, each later one from its own window, about rows_per_chunk windows per forward."""
+    B = inp.shape[0]
+    head = [t for t in steps if t < W]
+    if head:
+        logits = model(inp[:, : head[-1] + 1])
+        for t in head:
+            rec.add(t, logits[:, t : t + 1])
+    tail = [t for t in steps if t >= W]
+    per = max(1, rows_per_chunk // B)  # steps per forward
+    pos = torch.arange(W, device=inp.device)
+    for i in range(0, len(tail), per):
+        group = tail[i : i + per]
+        rows = torch.cat([recompute_windows(inp, W, t, t + 1, n_sink) for t in group])  # [(step, B), W]
+        out = model.forward_with(rows, pos, last_only=True).view(len(group), B, 1, -1)
+        for t, logits in zip(group, out, strict=True):
+            rec.add(t, logits)
     return rec.out
 
 
