@@ -4,7 +4,11 @@ modules meant to be light stay light."""
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
+
+import pytest
 
 from evictlab.store import REPO_ROOT
 
@@ -129,6 +133,18 @@ def test_the_sweeper_reads_run_identity_without_the_engine():
         return seen
 
     assert not reach("evictlab.identity") & {"evictlab.run", "evictlab.train", "evictlab.eval.evaluate"}
+
+
+@pytest.mark.parametrize("module", ["evictlab.config", "evictlab.identity"])
+def test_importing_the_config_or_the_run_identity_loads_neither_the_engine_nor_training(module):
+    """At run time, not only in the source: a package's __init__ runs when one of its modules is imported
+    (`evictlab.eval.spec` runs `evictlab/eval/__init__.py`), which the AST graph above does not follow."""
+    code = (
+        f"import sys, {module}; "
+        "print(sorted({'evictlab.eval.engine', 'evictlab.eval.loop', 'evictlab.train'} & set(sys.modules)))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
 
 
 def test_the_shared_statistics_draw_nothing():

@@ -11,8 +11,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-import sys
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
@@ -27,7 +25,7 @@ from evictlab.cache.policies import POLICIES, Policy, full_cache, make_policy
 from evictlab.data.corpora import DatasetConfig
 from evictlab.data.streams import StreamSource
 from evictlab.data.tokenizers import TokenizerConfig
-from evictlab.errors import ConfigError, TrainingInterrupted
+from evictlab.errors import ConfigError
 from evictlab.eval.spec import PositionMode, StreamSpec, check_positions, check_reference_cap
 from evictlab.logger import LoggerConfig
 from evictlab.models.gguf import is_gguf
@@ -459,47 +457,3 @@ def to_objects(cfg: DictConfig) -> Config:
         raise ConfigError(f"{key}: {msg}" if key and key not in msg else msg) from None
     assert isinstance(obj, Config)
     return obj
-
-
-def hydra_entry(job: Callable[[Config], str]) -> None:
-    """A command-line entry point: compose conf/ with the command line (Hydra), validate it, run `job` and
-    print the line it returns. A bad value or input prints `error: ...` and exits 2; in a sweep grid with
-    skip_invalid=true, a combination that fails validation is skipped (exit 0)."""
-    import hydra
-
-    try:
-        sys.argv[1:] = budget_shorthand(sys.argv[1:])
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
-
-    @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")
-    def _main(dcfg: DictConfig) -> None:
-        try:
-            cfg = to_objects(dcfg)
-        except ConfigError as e:
-            if dcfg.get("skip_invalid"):  # a grid that crosses e.g. learned positions with cache mode
-                print(f"skipped (not a valid combination): {e}", file=sys.stderr)
-                return
-            _fail(e)
-        try:
-            line = job(cfg)
-        except ConfigError as e:  # data-dependent checks (e.g. streams longer than the documents)
-            _fail(e)
-        except TrainingInterrupted as e:  # Ctrl-C in a training: progress saved; stops a sweep too
-            print(f"stopped: {e}", file=sys.stderr)
-            sys.exit(130)
-        print(line)
-
-    _main()
-
-
-def _fail(e: ConfigError) -> None:
-    """One `error:` line and exit 2; inside a sweep the job fails instead (the sweep goes on and lists it)."""
-    from hydra.core.hydra_config import HydraConfig
-    from hydra.types import RunMode
-
-    print(f"error: {e}", file=sys.stderr)
-    if HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN:
-        raise e
-    sys.exit(2)

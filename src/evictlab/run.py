@@ -32,7 +32,8 @@ import torch
 
 from evictlab import results as R
 from evictlab.checkpoints import Checkpoint
-from evictlab.config import Config, hydra_entry
+from evictlab.cli import hydra_entry
+from evictlab.config import Config
 from evictlab.data.dataset import Corpus, load_corpus
 from evictlab.data.recall import RecallBatch, recall_streams
 from evictlab.data.streams import eval_streams

@@ -36,7 +36,8 @@ from evictlab.checkpoints import (
     gguf_checkpoint,
     pretrained,
 )
-from evictlab.config import Config, TrainConfig, hydra_entry
+from evictlab.cli import hydra_entry
+from evictlab.config import Config, TrainConfig
 from evictlab.data.dataset import Corpus, TokenSplit, load_corpus
 from evictlab.data.sampler import WindowSampler
 from evictlab.errors import DivergedError, TrainingInterrupted
