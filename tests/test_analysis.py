@@ -886,3 +886,30 @@ def test_band_costs_are_paired_on_the_predictions_the_reference_covers_with_a_t_
     assert t.loc["window", "1 - 3"] == f"{np.exp(shifts.mean()):.3f} [{low:.3f}, {high:.3f}]"
     paired = 2.0 + shifts - 1.5  # nll_paired - nll_full on [4, 16), whatever the uncovered predictions hold
     assert t.loc["window", "4 - 15"].startswith(f"{np.exp(paired.mean()):.3f} [")
+
+
+def test_the_sinks_table_pairs_each_count_with_one_sink_on_the_same_streams_of_the_same_arm():
+    from evictlab.analysis.report import sinks_table
+
+    streams, results = [], []
+    rng = np.random.default_rng(0)
+    base = rng.normal(3.0, 0.5, size=6)  # per stream: what varies between streams, shared by every count
+    for bos in (True, False):
+        for n_sink, shift in ((1, 0.0), (4, -0.05), (0, 1.0)):
+            key = f"{bos}-{n_sink}"
+            results.append({"run_key": key, "cfg.strategy.params.n_sink": n_sink, "cfg.dataset.bos": bos})
+            for i, b in enumerate(base):
+                nll = b + shift + (0.02 if bos else 0.0) + (0.01 if i == 5 and n_sink == 4 else 0.0)
+                streams.append(
+                    {"run_key": key, "stream": i, "strategy": "streaming_llm", "evicts": True, "budget": 64}
+                    | {"position_mode": "original", "nll": nll, "checkpoint": f"ck-{bos}"}
+                )
+    t = sinks_table({"streams": pd.DataFrame(streams), "results": pd.DataFrame(results)})
+    assert list(t.columns) == ["BOS, original", "no BOS, original"] and list(t.index) == [0, 1, 4]
+    # 4 sinks: 0.05 nats lower on 5 streams, 0.04 on the last: paired, the streams' spread cancels
+    assert (
+        t.loc[4, "BOS, original"].startswith(f"{np.exp(-0.29 / 6):.3f} [")
+        and t.loc[4].str.endswith("; 6/6").all()
+    )
+    assert t.loc[1, "no BOS, original"] == "1.000 [1.000, 1.000]; 0/6"
+    assert t.loc[0, "BOS, original"].startswith(f"{np.exp(1.0):.3f}")

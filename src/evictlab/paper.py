@@ -145,6 +145,7 @@ def _tables_text(name: str, tables: dict[str, pd.DataFrame], wanted: dict) -> st
         cost_table,
         mode_table,
         recall_table,
+        sinks_table,
         training_table,
         units_line,
     )
@@ -173,6 +174,12 @@ def _tables_text(name: str, tables: dict[str, pd.DataFrame], wanted: dict) -> st
         what = "exp(mean per-stream NLL difference) on the predictions both cover [95% CI; n streams]"
         out += ["", f"paired cost by position band, policy / full cache: {what}:"]
         out.append(markdown(band_cost_table(tables, bands)))
+    if (against := wanted.get("sinks_against")) is not None:
+        out += [
+            "",
+            f"initial positions kept, paired against {against} on the same streams [95% CI]; streams lower:",
+        ]
+        out.append(markdown(sinks_table(tables, against)))
     if not tables["recall"].empty:
         depths = ", ".join(f"{d:g}" for d in sorted(tables["recall"]["depth"].unique()))
         out += ["", f"pass-key recall, exact (teacher-forced), recalled/streams (by needle depth {depths}):"]

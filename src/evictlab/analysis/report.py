@@ -288,6 +288,34 @@ def band_cost_table(tables: dict[str, pd.DataFrame], edges: list[int]) -> pd.Dat
     return t[cols].rename(columns={"position_mode": "mode"}).set_index("policy").fillna("-")
 
 
+def sinks_table(tables: dict[str, pd.DataFrame], against: int = 1) -> pd.DataFrame:
+    """StreamingLLM's initial-token table, paired: per number of kept initial positions (rows, n_sink) and
+    arm (columns: the stream starts with BOS or not, x position mode), the perplexity ratio against the
+    same arm keeping `against` positions on the same streams, exp(mean per-stream NLL difference) with its
+    95% CI (`stats.summarize_streams`), and on how many streams it is lower: "0.974 [0.960, 0.987];
+    13/16". The arms are never pooled (their streams differ by the BOS token)."""
+    settings = S.run_settings(
+        tables["results"], {"cfg.strategy.params.n_sink": "n_sink", "cfg.dataset.bos": "bos"}
+    )
+    s = S.evicting(tables["streams"]).join(settings, on="run_key")
+    keys = ["bos", "position_mode", "stream"]
+    ref = s[s["n_sink"] == against][[*keys, "nll"]].rename(columns={"nll": "nll_ref"})
+    s = s.merge(ref, on=keys).assign(delta=lambda f: f["nll"] - f["nll_ref"])
+    s = s.drop(columns=S.CLUSTER, errors="ignore")  # one model: the arms are settings, not trainings
+    r = S.summarize_streams(s, "delta", np.exp, keys=("bos", "position_mode", "n_sink"))
+    lower = s.groupby(["bos", "position_mode", "n_sink"])["delta"].agg(lambda d: int((d < 0).sum()))
+    r["cell"] = [
+        f"{p:.3f} [{lo:.3f}, {hi:.3f}]; {lower[b, m, k]}/{n}"
+        for p, lo, hi, b, m, k, n in r[
+            ["point", "low", "high", "bos", "position_mode", "n_sink", "n"]
+        ].to_numpy()
+    ]
+    r["arm"] = [f"{'BOS' if b else 'no BOS'}, {m}" for b, m in zip(r["bos"], r["position_mode"], strict=True)]
+    t = r.pivot_table(index="n_sink", columns="arm", values="cell", aggfunc="first")
+    t.index = [int(k) for k in t.index]
+    return t.rename_axis(f"n_sink (against {against})")
+
+
 def _reference_from_runs(curves: pd.DataFrame, streams: pd.DataFrame, results: pd.DataFrame | None):
     """A sweep without a full-cache run (its streams outrun the reference's cap): the full cache's rows from
     the reference every run carries (`nll_full`, over the predictions the cap covers), taken from the first
