@@ -20,6 +20,7 @@ import seaborn as sns  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 
 from evictlab.analysis.stats import (  # noqa: E402
+    RUNS_REFERENCE,
     PolicyOrder,
     curve_band,
     evicting,
@@ -253,7 +254,7 @@ def nll_vs_position(
     ):
         # every run of these streams has this reference: draw it from the first policy's runs
         first = c[c["strategy"] == P.ordered(c["strategy"])[0]]
-        lines.insert(0, ("full", first, "nll_full", "full cache (reference)"))
+        lines.insert(0, (RUNS_REFERENCE, first, "nll_full", "full cache (reference)"))
     for name, g, col, label in lines:
         g = g.dropna(subset=[col])
         keys = ["position", "stream"] if "stream" in g else ["position"]
@@ -811,12 +812,13 @@ def _evicting_budgets(t: Tables) -> bool:
 
 
 def _sink_counts(t: Tables) -> bool:
-    """A sweep over StreamingLLM's number of initial positions (and nothing else evicting)."""
+    """A sweep over the number of initial positions kept, of one evicting policy (StreamingLLM's sinks, or
+    the recompute window's) and nothing else evicting."""
     column = "cfg.strategy.params.n_sink"
     if "nll_full" not in t["streams"] or column not in t.get("results", pd.DataFrame()):
         return False
     policies = set(evicting(t["streams"])["strategy"])
-    return policies == {"streaming_llm"} and t["results"][column].nunique() > 1
+    return len(policies) == 1 and t["results"][column].nunique() > 1
 
 
 def _arms(t: Tables) -> bool:

@@ -246,7 +246,7 @@ def band_table(tables: dict[str, pd.DataFrame], edges: list[int]) -> pd.DataFram
     t["budget"] = ["-" if r else f"{int(b):,}" for r, b in zip(ref, t["budget"], strict=True)]
     t["policy"] = t["strategy"].map(P.label)
     if from_runs:  # the runs' reference: one computation whatever their position mode
-        t.loc[t["strategy"] == "full", "position_mode"] = "both"
+        t.loc[ref, "position_mode"] = "both"
     cols = ["policy", "budget", "position_mode", "perplexity", *[n for n in names if n in t]]
     out = t[cols].rename(columns={"position_mode": "mode"}).set_index("policy")
     for col in out.columns[3:]:
@@ -320,7 +320,7 @@ def _reference_from_runs(curves: pd.DataFrame, streams: pd.DataFrame, results: p
     """A sweep without a full-cache run (its streams outrun the reference's cap): the full cache's rows from
     the reference every run carries (`nll_full`, over the predictions the cap covers), taken from the first
     policy's runs at one budget and mode, as `nll_vs_position` draws it. -> curves, streams with the rows
-    added as strategy "full", labelled with how far the reference goes."""
+    added under the strategy name S.RUNS_REFERENCE, labelled with how far the reference goes."""
     P = S.PolicyOrder(streams)
     first = P.ordered(streams["strategy"])[0]
     one = streams[streams["strategy"] == first]
@@ -332,7 +332,7 @@ def _reference_from_runs(curves: pd.DataFrame, streams: pd.DataFrame, results: p
         label = f"full cache (reference, first {int(results[cap].min()):,} predictions)"
     else:
         label = "full cache (reference)"
-    facts = {"strategy": "full", "strategy_label": label, "strategy_order": -1, "evicts": False}
+    facts = {"strategy": S.RUNS_REFERENCE, "strategy_label": label, "strategy_order": -1, "evicts": False}
     ref_c = pick.dropna(subset=["nll_full"]).assign(nll=lambda f: f["nll_full"], **facts)
     if "n_paired" in ref_c:  # a bucket counts the predictions the reference covers
         ref_c = ref_c.assign(n=ref_c["n_paired"])

@@ -1,6 +1,6 @@
 """The statistics the report's tables and the figures share: numpy and pandas only (no matplotlib), so
-they are tested and used without drawing. Confidence intervals: 95% bootstrap over independent units
-(seed x stream, or documents)."""
+they are tested and used without drawing. Confidence intervals: 95%, over independent units (seed x
+stream, or documents): a bootstrap from MIN_BOOTSTRAP_UNITS units on, Student's t below."""
 
 from __future__ import annotations
 
@@ -8,6 +8,10 @@ import warnings
 
 import numpy as np
 import pandas as pd
+
+# the strategy name of full-cache rows drawn from the runs' own reference (`nll_full`) where no run is the
+# full cache (a sweep whose streams outrun the reference's cap): a table's row, not a policy
+RUNS_REFERENCE = "reference"
 
 
 class PolicyOrder:
