@@ -278,3 +278,38 @@ def test_verify_names_in_one_line_what_a_snapshots_provenance_lacks():
     )
     sinks = V.provenance_gaps(paper.load_snapshot(paper.EXPERIMENTS / "smollm2_sinks"), paper.REPO_ROOT)
     assert sinks.startswith("24 of 24 runs lack info.git_commit; 24 of 24 runs lack streams_sha256; 12 of 24")
+
+
+def test_decision_noise_is_measured_under_rounding_level_perturbations_and_sets_the_tolerance():
+    """`paper noise`: the weights moved by about one unit in the last place (seeded) give the shifts of each
+    value-deciding run; verify then allows NOISE_FACTOR x that shift to such a run, and only to it."""
+    import torch
+
+    from evictlab import verify as V
+    from evictlab.models.gpt import GPT, GPTConfig
+
+    model = GPT(GPTConfig(name="t", vocab_size=40, n_layer=2, n_head=2, n_embd=16)).eval()
+    a, b = V.perturbed(model, 0), V.perturbed(model, 0)
+    for p, q, r in zip(model.parameters(), a.parameters(), b.parameters(), strict=True):
+        assert torch.equal(q, r) and (not torch.equal(p, q) or (p == 0).all())  # seeded; moved, but a zero
+        rel = ((q - p).abs() / p.abs().clamp(min=1e-30))[p != 0]
+        assert (rel <= 8 * torch.finfo(p.dtype).eps).all()
+    assert not torch.equal(next(V.perturbed(model, 1).parameters()), next(a.parameters()))
+
+    frame = {"run_key": ["t", "t", "w"], "run": ["tova b64", "tova b64", "window b64"], "stream": [0, 1, 0]}
+    plain = pd.DataFrame(frame | {"nll": [3.0, 2.0, 3.3], "agree": [0.6, 0.7, 0.5]})
+    moved = [plain.assign(nll=[3.003, 2.0, 3.3], agree=[0.6, 0.69, 0.5]), plain.assign(nll=[3.0, 2.004, 3.3])]
+    noise = V.noise_table(plain, moved)
+    got = noise.set_index(["run_key", "metric"])["noise"]
+    assert got["t", "nll"] == pytest.approx(0.002) and got["t", "agree"] == pytest.approx(0.01)
+    assert got["w", "nll"] == 0 and set(noise["perturbations"]) == {2}
+    snapshot = plain.assign(strategy=["tova", "tova", "window"], nll_full=1.5, kl=0.5, correct=0.4)
+    now = plain.assign(nll=[3.0 * 1.0035, 2.0, 3.3])  # 0.35%: within 2 x 0.2% measured for TOVA only
+    rows = V.compare(snapshot, now.assign(nll_full=1.5, kl=0.5, correct=0.4), noise).set_index(
+        ["run", "metric"]
+    )
+    assert rows.loc[("tova b64", "nll"), "ok"].all()
+    too_far = now.assign(nll=[3.0 * 1.005, 2.0, 3.3], nll_full=1.5, kl=0.5, correct=0.4)
+    assert not V.compare(snapshot, too_far, noise)["ok"].all()
+    moved_window = now.assign(nll=[3.0, 2.0, 3.3 * 1.0035], nll_full=1.5, kl=0.5, correct=0.4)
+    assert not V.compare(snapshot, moved_window, noise)["ok"].all()  # position-only: no noise allowed

@@ -3,6 +3,7 @@
     python -m evictlab.paper figures   # make figures: every experiments/<name>/ figure, from its snapshot
     python -m evictlab.paper run       # make paper: re-run each experiment's sweep, refresh, redraw
     python -m evictlab.paper verify --only NAME   # make verify EXP=NAME: does the snapshot still hold?
+    python -m evictlab.paper noise --only NAME    # its decision noise: the value-deciding runs, perturbed
     python -m evictlab.paper tables --only NAME   # make tables EXP=NAME: the cost tables its README quotes
 
 Each `experiments/<name>/` holds `figures.yaml` (which Hydra experiment produces it and which figures
@@ -85,14 +86,15 @@ def refresh(folder: Path, launcher: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("command", choices=["figures", "run", "verify", "tables"])
+    ap.add_argument("command", choices=["figures", "run", "verify", "tables", "noise"])
     ap.add_argument("--only", nargs="*", default=None, help="experiment folder names (default: all)")
     ap.add_argument("--launcher", default="local", help="for `run`: local | submitit_local | slurm")
     ap.add_argument("--out", type=Path, default=None, help="figure root (default outputs/figures/paper)")
     ap.add_argument("--streams", type=int, default=None, help="for `verify`: the first K streams of each run")
     ap.add_argument("--all", action="store_true", help="for `verify`: every run, not one per policy")
+    ap.add_argument("--seeds", type=int, default=3, help="for `noise`: perturbations of the weights")
     args = ap.parse_args(argv)
-    if args.command == "verify":
+    if args.command in ("verify", "noise"):
         return verify_main(args)
     folders = [f for f in experiment_folders() if args.only is None or f.name in args.only]
     if not folders:
@@ -200,7 +202,8 @@ def verify_main(args) -> int:
 
     if not args.only:
         print(
-            "error: verify needs --only NAME (make verify EXP=NAME): it re-runs the snapshot's runs",
+            f"error: {args.command} needs --only NAME (make {args.command} EXP=NAME): it re-runs the "
+            "snapshot's runs",
             file=sys.stderr,
         )
         return 2
@@ -214,11 +217,20 @@ def verify_main(args) -> int:
         return 2
     status = 0
     for folder in folders:
+        if args.command == "noise":  # measure what rounding does to the value-deciding runs: the tolerance
+            noise = V.decision_noise(folder, load_spec(folder)["experiment"], args.seeds, args.streams)
+            noise.to_csv(folder / V.NOISE_FILE, index=False, float_format="%.6g")
+            print(noise.to_string(index=False, float_format=lambda x: f"{x:.3g}"))
+            print(f"{folder.name}: decision noise -> {folder / V.NOISE_FILE}")
+            continue
         gaps = V.provenance_gaps(load_snapshot(folder), REPO_ROOT)
         print(f"{folder.name}: provenance " + (f"INCOMPLETE: {gaps}" if gaps else "complete"), flush=True)
         status = 1 if gaps else status
         now, notes = V.rerun(folder, load_spec(folder)["experiment"], args.streams, args.all)
-        rows = V.compare(load_snapshot(folder)["streams"], now) if len(now) else pd.DataFrame()
+        noise = pd.read_csv(folder / V.NOISE_FILE) if (folder / V.NOISE_FILE).exists() else None
+        how = f"{V.NOISE_FACTOR:g} x the noise in {V.NOISE_FILE}" if noise is not None else "DECISION_TOL"
+        print(f"{folder.name}: value-deciding policies' tolerance: {how}")
+        rows = V.compare(load_snapshot(folder)["streams"], now, noise) if len(now) else pd.DataFrame()
         for note in notes:
             print(f"note: {note}")
         print(f"\n{folder.name}: largest difference per run and metric")

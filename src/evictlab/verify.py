@@ -136,18 +136,85 @@ def stream_means(per_token: dict[str, np.ndarray]) -> pd.DataFrame:
     return frame.groupby("stream")[compared].mean().reset_index()
 
 
-def compare(snapshot: pd.DataFrame, now: pd.DataFrame) -> pd.DataFrame:
-    """Rows (run, stream, metric, snapshot, now, diff, tolerance, ok) for every (run, stream) re-run now:
-    `snapshot` is the snapshot's streams table, `now` what `rerun` measured (run_key, run, stream, metrics).
-    A value the snapshot has and the re-run lacks (or the reverse) is a failed row."""
+def decides(strategy: str) -> bool:
+    """Whether a policy decides what to evict by values (scores that rounding can reorder), not by
+    positions alone."""
     from evictlab.cache.policies import POLICIES
 
+    return strategy in POLICIES and POLICIES[strategy].evicts and not POLICIES[strategy].position_only
+
+
+NOISE_FILE = "decision_noise.csv"  # experiments/<name>/: the decision noise measured on its sample
+NOISE_FACTOR = 2.0  # a value-deciding policy's tolerance: this many times the largest shift measured
+NOISE_ULPS = 1.0  # the perturbation: each weight times (1 + NOISE_ULPS x machine epsilon x N(0, 1))
+
+
+def perturbed(model, seed: int, ulps: float = NOISE_ULPS):
+    """A copy of `model` whose every weight is moved by about `ulps` units in its last place (relative,
+    seeded): the same model as another CPU's kernels round it, whose near-tied eviction scores can order
+    differently."""
+    import copy
+
+    import torch
+
+    out = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in out.parameters():
+            eps = torch.finfo(p.dtype).eps
+            p.mul_(1 + ulps * eps * torch.randn(p.shape, generator=g, dtype=torch.float64).to(p.dtype))
+    return out
+
+
+def noise_table(plain: pd.DataFrame, moved: list[pd.DataFrame]) -> pd.DataFrame:
+    """The decision noise of each sampled run (rows: run, metric, noise, streams, perturbations): the
+    largest shift over the perturbed re-runs and their streams of each compared metric from the plain
+    re-run's, relative to the plain value for nll, nll_full and kl, absolute for agree and correct."""
+    keys = ["run_key", "run", "stream"]
+    rows = []
+    base = plain.set_index(keys)
+    for metric in (*RELATIVE, *ABSOLUTE):
+        if metric not in plain:
+            continue
+        shifts = []
+        for m in moved:
+            d = (m.set_index(keys)[metric] - base[metric]).abs()
+            shifts.append(d / base[metric].abs().clip(lower=1e-12) if metric in RELATIVE else d)
+        worst = pd.concat(shifts, axis=1).max(axis=1).groupby(level=["run_key", "run"]).max()
+        rows += [
+            {"run_key": k, "run": r, "metric": metric, "noise": float(v)}
+            | {"streams": int(plain["stream"].nunique()), "perturbations": len(moved)}
+            for (k, r), v in worst.items()
+        ]
+    return pd.DataFrame(rows)
+
+
+def decision_noise(folder: Path, experiment: str, seeds: int = 3, streams: int | None = None) -> pd.DataFrame:
+    """Re-run the sample's value-deciding runs plain and under `seeds` perturbations (`perturbed`) ->
+    `noise_table` (written to the folder's NOISE_FILE by `paper noise`)."""
+    plain, _ = rerun(folder, experiment, streams, transform=lambda m: m, deciding_only=True)
+    moved = [
+        rerun(folder, experiment, streams, transform=lambda m, s=s: perturbed(m, s), deciding_only=True)[0]
+        for s in range(seeds)
+    ]
+    return noise_table(plain, moved)
+
+
+def compare(snapshot: pd.DataFrame, now: pd.DataFrame, noise: pd.DataFrame | None = None) -> pd.DataFrame:
+    """Rows (run, stream, metric, snapshot, now, diff, tolerance, ok) for every (run, stream) re-run now:
+    `snapshot` is the snapshot's streams table, `now` what `rerun` measured (run_key, run, stream, metrics).
+    A value the snapshot has and the re-run lacks (or the reverse) is a failed row. With `noise`
+    (`noise_table`, measured on this snapshot's sample), a value-deciding policy's tolerance on a metric is
+    NOISE_FACTOR x the largest shift measured for its run, where that exceeds the plain tolerance;
+    without it, DECISION_TOL (module docstring)."""
     rows = []
     snap = snapshot.set_index(["run_key", "stream"])
-    decides = {  # run_key -> its policy decides by values (module docstring)
-        key: name in POLICIES and POLICIES[name].evicts and not POLICIES[name].position_only
-        for key, name in zip(snapshot["run_key"], snapshot["strategy"], strict=True)
+    deciding = {
+        key: decides(name) for key, name in zip(snapshot["run_key"], snapshot["strategy"], strict=True)
     }
+    measured = (
+        {} if noise is None else {(r, m): v for r, m, v in noise[["run_key", "metric", "noise"]].to_numpy()}
+    )
     for _, r in now.iterrows():
         where = (r["run_key"], int(r["stream"]))
         for metric in (*RELATIVE, *ABSOLUTE):
@@ -156,7 +223,10 @@ def compare(snapshot: pd.DataFrame, now: pd.DataFrame) -> pd.DataFrame:
             if math.isnan(a) and math.isnan(b):
                 continue  # neither side has it (no reference past the cap, no KL for the full cache run)
             tol = REL_TOL * abs(a) + 1e-6 if metric in RELATIVE else ABS_TOL
-            if metric in ("nll", "kl") and decides.get(where[0], False) and where in snap.index:
+            if deciding.get(where[0], False) and (where[0], metric) in measured:
+                shift = measured[where[0], metric] * (abs(a) if metric in RELATIVE else 1.0)
+                tol = max(tol, NOISE_FACTOR * shift)
+            elif metric in ("nll", "kl") and deciding.get(where[0], False) and where in snap.index:
                 tol = max(tol, DECISION_TOL * abs(float(snap.loc[where, "nll"])))
             ok = abs(b - a) <= tol  # False when one side is NaN
             rows.append(
@@ -172,10 +242,15 @@ def rerun(
     streams: int | None = None,
     every: bool = False,
     outputs: Path | None = None,
+    transform=None,
+    deciding_only: bool = False,
 ):
     """Re-run the sample of one experiment folder's snapshot of `experiment` (its figures.yaml names it)
     -> (per-stream means now: run_key, run, stream and the compared metrics; notes). Trained subjects load
-    from the checkpoint cache or train again (a note says when the weights are not the snapshot's)."""
+    from the checkpoint cache or train again (a note says when the weights are not the snapshot's).
+    `transform(model) -> model`: run a changed model instead (`perturbed`), with its own full-cache
+    references (never the shared ones, which are the unchanged model's); `deciding_only`: only the runs
+    of policies that decide by values (`decides`)."""
     from evictlab.config import compose, key_dict, to_objects
     from evictlab.eval.evaluate import evaluate
     from evictlab.run import RunStages, run_key
@@ -187,6 +262,8 @@ def rerun(
     frames, notes = [], []
     subjects = {}  # the sampled runs mostly share one model and one set of streams: loaded once
     for s in sample_runs(results, experiment, every):
+        if deciding_only and not decides(results.loc[results["run_key"] == s.run_key, "strategy"].iloc[0]):
+            continue
         extra = [f"paths.outputs={outputs}"] if outputs else []
         cfg = to_objects(compose([*s.overrides, "logger=none", *extra]))
         if cfg.eval.task.value != "lm":
@@ -204,6 +281,7 @@ def rerun(
         if (same, cfg.seed) not in subjects:
             corpus, ck, model = stages.subject()
             tokens = stages.streams(corpus, model)[0]
+            model = transform(model) if transform is not None else model
             subjects[same, cfg.seed] = ck, model, tokens[:streams] if streams is not None else tokens
         ck, model, tokens = subjects[same, cfg.seed]
         was = s.recorded_weights
@@ -211,9 +289,8 @@ def rerun(
             notes.append(f"{s.label}: the checkpoint's weights are not the snapshot's (sha256 {was[:12]}...)")
         policy = cfg.strategy.build()
         spec = dataclasses.replace(cfg.eval.spec(), diagnostics=policy.needs_future)  # the oracle's future
-        res = evaluate(
-            model, tokens, cfg.strategy.build(), cfg.resolved_budget, spec, stages.shared_references(ck)
-        )
+        shared = stages.shared_references(ck) if transform is None else None
+        res = evaluate(model, tokens, cfg.strategy.build(), cfg.resolved_budget, spec, shared)
         frames.append(stream_means(res.per_token).assign(run_key=s.run_key, run=s.label))
         print(f"{s.label}: {len(tokens)} stream(s) re-run", flush=True)
     return (pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()), notes
