@@ -145,6 +145,7 @@ def _tables_text(name: str, tables: dict[str, pd.DataFrame], wanted: dict) -> st
         band_cost_table,
         band_table,
         cost_table,
+        held_table,
         mode_table,
         recall_table,
         sinks_table,
@@ -182,6 +183,11 @@ def _tables_text(name: str, tables: dict[str, pd.DataFrame], wanted: dict) -> st
             f"initial positions kept, paired against {against} on the same streams [95% CI]; streams lower:",
         ]
         out.append(markdown(sinks_table(tables, against)))
+    for mode in modes:
+        held = held_table(tables, mode)
+        if held is not None:
+            what = "share of steps whose query attends to position 0, mean over layers (lowest layer)"
+            out += ["", f"{mode} positions, {what}:", markdown(held)]
     if not tables["recall"].empty:
         depths = ", ".join(f"{d:g}" for d in sorted(tables["recall"]["depth"].unique()))
         out += ["", f"pass-key recall, exact (teacher-forced), recalled/streams (by needle depth {depths}):"]

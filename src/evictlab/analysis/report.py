@@ -288,6 +288,21 @@ def band_cost_table(tables: dict[str, pd.DataFrame], edges: list[int]) -> pd.Dat
     return t[cols].rename(columns={"position_mode": "mode"}).set_index("policy").fillna("-")
 
 
+def held_table(tables: dict[str, pd.DataFrame], mode: str = "original") -> pd.DataFrame | None:
+    """Per evicting policy (rows) x budget: the share of steps whose query attends to position 0 under the
+    policy (layers.parquet `held_p0`), as "mean over layers (lowest layer)", e.g. "0.984 (0.295)"; None
+    for runs from before it was recorded."""
+    layers = tables.get("layers")
+    if layers is None or layers.empty or "held_p0" not in set(layers["metric"]):
+        return None
+    held = layers[(layers["metric"] == "held_p0") & (layers["position_mode"] == mode)]
+    held = S.evicting(held) if "evicts" in held else held
+    P = S.PolicyOrder(tables["streams"])
+    g = held.groupby(["strategy", "budget"])["value"].agg(["mean", "min"]).reset_index()
+    g["cell"] = [f"{m:.3f} ({lo:.3f})" for m, lo in zip(g["mean"], g["min"], strict=True)]
+    return _policy_grid(g.assign(policy=g["strategy"].map(P.label)), P, "budget")
+
+
 def sinks_table(tables: dict[str, pd.DataFrame], against: int = 1) -> pd.DataFrame:
     """StreamingLLM's initial-token table, paired: per number of kept initial positions (rows, n_sink) and
     arm (columns: the stream starts with BOS or not, x position mode), the perplexity ratio against the
