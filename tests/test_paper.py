@@ -271,11 +271,9 @@ def test_verify_names_in_one_line_what_a_snapshots_provenance_lacks():
         "1 of 2 runs lack streams_sha256; 2 of 2 runs lack weights_sha256; commit 9cecf2f (1 runs) is not in "
         "main's history; 2 of 2 streams lack their documents"
     )
-    # the snapshots made before the pinned text: the holes a reviewer found are the ones it names
+    # re-made on the pinned text: complete; made before it: the holes a reviewer found are the ones named
     recall = V.provenance_gaps(paper.load_snapshot(paper.EXPERIMENTS / "smollm2_recall"), paper.REPO_ROOT)
-    assert (
-        "33 of 33 runs lack streams_sha256" in recall and "commit 9cecf2fb7a9c (33 runs) is not in" in recall
-    )
+    assert recall is None or V.shallow(paper.REPO_ROOT)  # (a shallow clone cannot see the runs' commit)
     sinks = V.provenance_gaps(paper.load_snapshot(paper.EXPERIMENTS / "smollm2_sinks"), paper.REPO_ROOT)
     assert sinks.startswith("24 of 24 runs lack info.git_commit; 24 of 24 runs lack streams_sha256; 12 of 24")
 
