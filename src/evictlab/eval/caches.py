@@ -172,8 +172,7 @@ class SlotCache:
             return
         gone = self.pos.gather(2, victim[:, :, None])  # [B, Hkv, 1]: each row's evicted position
         first = gone == torch.arange(N_FIRST, device=gone.device)  # [B, Hkv, N_FIRST]
-        t = self.t if isinstance(self.t, torch.Tensor) else torch.tensor(self.t, device=gone.device)
-        self.dropped.copy_(torch.where(first, t, self.dropped))  # (t: a step, or [B, 1, 1] one per row)
+        self.dropped.copy_(torch.where(first, self.t, self.dropped))  # (t: a step, or [B, 1, 1] one per row)
         self.pos.scatter_(2, victim[:, :, None], -1)
         if self.rank is not None:  # the entries after the victim move down one rank
             self.rank.add_(self.rank > self.rank.gather(2, victim[:, :, None]), alpha=-1)
