@@ -137,6 +137,12 @@ def test_evaluate_summary_is_consistent(model, tokens):
     assert s["kl_mean"] > 0 and 0 < s["agreement"] < 1 and s["path"] == "blocked" and s["occupancy_max"] == 8
     assert 0 < s["policy_time_share"] < 1 and s["token_steps_per_s"] > 0 and s["peak_rss_bytes"] > 0
     assert s["strategy_label"] == "h2o" and s["evicts"] and not s["non_causal"]
+    held = res.layers[res.layers["metric"] == "held_p0"]
+    assert (
+        len(held) == 4
+        and s["position0_held"] == pytest.approx(held["value"].mean())
+        and 0 < s["position0_held"] <= 1
+    )
 
 
 def test_layer_table_is_tidy_and_matches_the_full_cache_attention(model, tokens):

@@ -222,9 +222,6 @@ def summarize(model, policy, budget, spec, tokens, b: Batches, per_token) -> dic
         }
     if "lost" in per_token:
         summary["attention_lost"] = float(np.nanmean(per_token["lost"]))
-    held = held_shares(b, n)
-    if held is not None:  # the share of steps whose query attends to position 0, mean over layers
-        summary["position0_held"] = float(held[:, 0].mean())
     return summary
 
 
@@ -292,7 +289,11 @@ def evaluate(
     b = run_batches(model, tokens, policy, budget, spec, shared)
     per_token = collect_per_token(b)
     summary = summarize(model, policy, budget, spec, tokens, b, per_token)
-    return EvalResult(per_token, summary, layer_table(b, per_token), attention_by_key(b))
+    layers = layer_table(b, per_token)
+    held = layers.loc[layers["metric"] == "held_p0", "value"]
+    if len(held):  # the share of steps whose query attends to position 0, mean over layers
+        summary["position0_held"] = float(held.mean())
+    return EvalResult(per_token, summary, layers, attention_by_key(b))
 
 
 def greedy_divergence(
