@@ -268,15 +268,15 @@ def band_cost_table(tables: dict[str, pd.DataFrame], edges: list[int]) -> pd.Dat
     band, names = _bands(c, edges)
     if "nll_paired" in c:
         nll, w = c["nll_paired"], _weights(c, "n_paired")
-    else:  # tables from before the paired columns: the bucket's NLL where its reference has a value
-        nll, w = c["nll"].where(c["nll_full"].notna()), _weights(c)
+    else:  # tables from before the paired columns: the bucket's NLL (its reference has a value: above)
+        nll, w = c["nll"], _weights(c)
     c = c.assign(band=band, _w=w, _x=(nll - c["nll_full"]) * w)
     keys = ["strategy", "budget", "position_mode"]
     per = c.groupby([*keys, "stream", "band"], observed=True)[["_x", "_w"]].sum()
     per = per[per["_w"] > 0].assign(delta=lambda f: f["_x"] / f["_w"]).reset_index()
     r = S.summarize_streams(per, "delta", np.exp, keys=(*keys, "band"))
     P = S.PolicyOrder(tables["streams"])
-    r["cell"] = [f"{p:.3f} [{lo:.3f}, {hi:.3f}]" for p, lo, hi in r[["point", "low", "high"]].to_numpy()]
+    r["cell"] = [_interval(*v) for v in r[["point", "low", "high"]].to_numpy()]
     r["order"] = r["strategy"].map(P.order)
     rows = ["order", "strategy", "budget", "position_mode", "n"]
     t = r.pivot_table(index=rows, columns="band", values="cell", aggfunc="first").reset_index()
@@ -320,7 +320,7 @@ def sinks_table(tables: dict[str, pd.DataFrame], against: int = 1) -> pd.DataFra
     r = S.summarize_streams(s, "delta", np.exp, keys=("bos", "position_mode", "n_sink"))
     lower = s.groupby(["bos", "position_mode", "n_sink"])["delta"].agg(lambda d: int((d < 0).sum()))
     r["cell"] = [
-        f"{p:.3f} [{lo:.3f}, {hi:.3f}]; {lower[b, m, k]}/{n}"
+        f"{_interval(p, lo, hi)}; {lower[b, m, k]}/{n}"
         for p, lo, hi, b, m, k, n in r[
             ["point", "low", "high", "bos", "position_mode", "n_sink", "n"]
         ].to_numpy()
