@@ -91,8 +91,8 @@ def diag_model(name: str):
     if name == "gpt_tiny":
         torch.manual_seed(0)
         return GPT(GPTConfig(name="gpt_tiny", vocab_size=258, n_layer=2, n_embd=40)).eval()
+    from evictlab.checkpoints import get_checkpoint
     from evictlab.config import compose, to_objects
-    from evictlab.train import get_checkpoint
 
     return get_checkpoint(to_objects(compose([f"model={name}", "logger=none"]))).model
 

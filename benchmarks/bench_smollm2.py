@@ -42,8 +42,8 @@ POLICIES = {"streaming_llm": "parallel", "h2o": "blocked"}
 
 
 def load(threads: int):
+    from evictlab.checkpoints import get_checkpoint
     from evictlab.config import compose, to_objects
-    from evictlab.train import get_checkpoint
 
     set_threads(threads)
     cfg = to_objects(compose(["model=smollm2_135m", "logger=none"]))

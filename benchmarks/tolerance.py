@@ -18,11 +18,11 @@ import tempfile
 import numpy as np
 import torch
 
+from evictlab.checkpoints import get_checkpoint
 from evictlab.config import compose, to_objects
 from evictlab.data.dataset import load_corpus
 from evictlab.data.streams import eval_streams
 from evictlab.eval.evaluate import evaluate
-from evictlab.train import get_checkpoint
 
 BASE = ["model=gpt_small", "train=short", "train.steps=100", "train.warmup_steps=10", "logger=none"]
 

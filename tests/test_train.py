@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from evictlab.checkpoints import load_checkpoint
+from evictlab.checkpoints import get_checkpoint, load_checkpoint
 from evictlab.data import load_corpus
 from evictlab.data.sampler import WindowSampler
-from evictlab.train import get_checkpoint, lr_at, make_optimizer, ngram_bits_per_byte, train_model
+from evictlab.train import lr_at, make_optimizer, ngram_bits_per_byte, train_model
 from tests.conftest import TINY, make_cfg, run_cli
 
 
@@ -301,7 +301,7 @@ def test_a_killed_training_continues_from_its_saved_progress_bit_identically(
     (saved,) = (outputs / "checkpoints" / ".progress").iterdir()
     assert not [p for p in (outputs / "checkpoints").iterdir() if not p.name.startswith(".")]
 
-    with caplog.at_level("INFO", logger="evictlab.train"):
+    with caplog.at_level("INFO"):
         resumed = get_checkpoint(cfg, corpus)
     assert "resuming training from step 9" in caplog.text
     _same_weights(whole.model, resumed.model)
@@ -340,7 +340,7 @@ def test_ctrl_c_stops_a_training_at_the_end_of_a_step_and_the_same_command_conti
         get_checkpoint(cfg, corpus)
     assert signal.getsignal(signal.SIGINT) is before  # the caller's handler is back
     monkeypatch.undo()
-    with caplog.at_level("INFO", logger="evictlab.train"):
+    with caplog.at_level("INFO"):
         resumed = get_checkpoint(cfg, corpus)
     assert "resuming training from step 5" in caplog.text
     _same_weights(whole.model, resumed.model)
@@ -393,8 +393,7 @@ def test_a_full_disk_gives_one_clear_error_and_leaves_nothing_half_written(outpu
 
 
 def test_the_training_line_gives_small_floor_shares_two_digits():
-    from evictlab.checkpoints import Checkpoint
-    from evictlab.train import summary
+    from evictlab.checkpoints import Checkpoint, summary
 
     meta = {
         "model": {"name": "gpt_tiny"}, "params": 49_000, "val_bpb": 3.1, "wall_s": 12.0,

@@ -3,8 +3,10 @@
 A checkpoint folder holds `model.safetensors` and `meta.json` (its key, the model and training settings,
 the weights' sha256, provenance). `cached_checkpoint` loads one when present, intact and what its key says,
 else makes it once under a file lock (other processes wait and load it) and writes it atomically; a damaged
-one is made again with a warning. What goes into a trained checkpoint's meta (training record, sink
-metrics) is the trainer's business (train.py); this module only stores and checks.
+one is made again with a warning. `get_checkpoint` is the one door: the model a config names, loaded from
+the store, or made once on a miss (trained by train.py, converted from a GGUF file, mapped from a Hugging
+Face folder), with the subject's facts a trained one carries in its meta (its sink metrics, eval/sinks.py).
+`python -m evictlab.train` is this module's `main`.
 """
 
 from __future__ import annotations
@@ -14,15 +16,19 @@ import shutil
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors.torch import load_model, save_model
 
+from evictlab import train
+from evictlab.cli import hydra_entry
 from evictlab.config import Config, TrainConfig, key_dict
-from evictlab.data.dataset import Corpus
+from evictlab.data.dataset import Corpus, load_corpus
+from evictlab.eval.sinks import sink_metrics
+from evictlab.models.gguf import is_gguf
 from evictlab.models.gpt import GPT, GPTConfig
 from evictlab.perf import build_info
 from evictlab.store import (
@@ -145,6 +151,15 @@ def save_checkpoint(dest: Path, model: GPT, meta: dict[str, Any]) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def provenance() -> dict[str, Any]:
+    """What every made checkpoint's meta says about where it was made: commit, packages, time."""
+    return {
+        "git": git_info(),
+        "packages": package_versions(),
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
+
+
 def cached_checkpoint(
     dest: Path,
     check: Callable[[dict[str, Any]], None],
@@ -213,9 +228,7 @@ def gguf_checkpoint(cfg: Config) -> Checkpoint:
             "params": model.num_params(),
             "val_bpb": None,
             "convert_s": time.perf_counter() - start,
-            "git": git_info(),
-            "packages": package_versions(),
-            "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            **provenance(),
         }
         return model, meta
 
@@ -241,3 +254,86 @@ def pretrained(cfg: Config) -> Checkpoint:
         "val_bpb": None,
     }
     return Checkpoint(Path(info["path"]), model, meta, cached=True)
+
+
+# ------------------------------------------------------------------------------ the one door
+
+
+def get_checkpoint(cfg: Config, corpus: Corpus | None = None) -> Checkpoint:
+    """The model for cfg: a trained one from the store when present and intact, else trained (once, resuming
+    saved progress); a GGUF file converted once (`gguf_checkpoint`); a Hugging Face checkpoint mapped at
+    each load (`pretrained`)."""
+    if is_gguf(cfg.model.name_or_path):
+        return gguf_checkpoint(cfg)
+    corpus = corpus or load_corpus(cfg.dataset, cfg.tokenizer, cfg.outputs, min_tokens=cfg.corpus_min_tokens)
+    if cfg.model.name_or_path:  # a pretrained checkpoint: nothing to train
+        return pretrained(cfg)
+    cfg = replace(cfg, model=replace(cfg.model, vocab_size=corpus.tokenizer.vocab_size))  # caller's untouched
+    key = checkpoint_key(cfg, corpus)
+    dest = cfg.outputs / "checkpoints" / f"{cfg.model.name}-{key}"
+    progress = train.Progress(dest.parent / ".progress" / f"{dest.name}.pt", key)
+
+    def build() -> tuple[GPT, dict[str, Any]]:
+        log.info("training %s (checkpoint key %s)", cfg.model.name, key)
+        model, record = train.train_model(cfg, corpus, progress)
+        return model, {**trained_meta(cfg, corpus, key), **record, **subject_facts(model, cfg, corpus)}
+
+    ck = cached_checkpoint(dest, lambda m: check_settings(m, cfg, key), build)
+    if not ck.cached:
+        progress.discard()  # only once the checkpoint is written: a crash before resumes from it
+    return ck
+
+
+def trained_meta(cfg: Config, corpus: Corpus, key: str) -> dict[str, Any]:
+    """What a trained checkpoint's meta says about its making: key, settings, data, provenance."""
+    return {
+        "key": key,
+        "model": to_jsonable(cfg.model),
+        "tokenizer": corpus.tokenizer.spec,
+        "dataset": to_jsonable(cfg.dataset),
+        "data_hash": corpus.data_hash,
+        "split_hashes": corpus.split_hashes,
+        "train": to_jsonable(cfg.train),
+        "seed": cfg.train.seed,
+        **provenance(),
+    }
+
+
+def subject_facts(model: GPT, cfg: Config, corpus: Corpus) -> dict[str, Any]:
+    """The facts a trained subject carries in its meta: Gu et al.'s sink metrics over held-out windows of the
+    training length, and the last query's attention on position 0 per layer (eval/sinks.py)."""
+    sink, layers = sink_metrics(model, corpus, cfg.train.seq_len, cfg.model.sink_token)
+    last = layers[layers["metric"] == "last_query_first_mass"].sort_values("layer")["value"]
+    return sink | {"last_query_first_mass": last.tolist()}
+
+
+def summary(ck: Checkpoint, seconds: float) -> str:
+    """One line about the checkpoint a `python -m evictlab.train` made or loaded, and its folder."""
+    m = ck.meta
+    if m.get("source") == "gguf":
+        how = f"loaded in {seconds:.2f} s" if ck.cached else f"converted in {m['convert_s']:.0f} s"
+        return f"{m['label']} ({m['params']:,} params) {how}\n  -> {ck.path}"
+    if m.get("source") == "hf":
+        return (
+            f"{m['model_type']} checkpoint ({m['params']:,} params) loaded in {seconds:.2f} s\n  -> {ck.path}"
+        )
+    how = f"loaded from cache in {seconds:.2f} s" if ck.cached else f"trained in {m['wall_s']:.0f} s"
+    base = m["baselines"]
+    return (
+        f"{m['model']['name']} ({m['params']:,} params) {how}: val {m['val_bpb']:.3f} bits/byte "
+        f"(unigram {base['unigram_val_bpb']:.3f}, bigram {base['bigram_val_bpb']:.3f}), "
+        f"{m['tokens_per_s']:,.0f} train tok/s"
+        + (f" = {100 * m['floor_fraction']:.2g}% of the FLOP floor" if m.get("floor_fraction") else "")
+        + f"\n  -> {ck.path}"
+    )
+
+
+def main() -> None:
+    """`python -m evictlab.train [KEY=VALUE ...]`: the checkpoint for a config, made once."""
+
+    def job(cfg: Config) -> str:
+        start = time.perf_counter()
+        ck = get_checkpoint(cfg)
+        return summary(ck, time.perf_counter() - start)
+
+    hydra_entry(job)

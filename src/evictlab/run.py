@@ -31,7 +31,7 @@ import pandas as pd
 import torch
 
 from evictlab import results as R
-from evictlab.checkpoints import Checkpoint
+from evictlab.checkpoints import Checkpoint, get_checkpoint
 from evictlab.cli import hydra_entry
 from evictlab.config import Config
 from evictlab.data.dataset import Corpus, load_corpus
@@ -54,7 +54,6 @@ from evictlab.store import (
     write_atomic,
     write_json,
 )
-from evictlab.train import get_checkpoint
 
 log = logging.getLogger(__name__)
 

@@ -4,9 +4,9 @@
 
 Reads top to bottom: the n-gram baselines, the training loop (learning-rate schedule, optimizer, the
 steps), resumable progress (a killed or interrupted training continues where it stopped, bit-identically),
-the training record, then `get_checkpoint`, which trains once per key and hands the model and its meta
-(training record and sink metrics) to the checkpoint store (checkpoints.py). Training windows come from
-data/sampler.py.
+then the training record. The checkpoint store (checkpoints.py `get_checkpoint`) calls `train_model` on a
+miss and keeps the model with its meta; `python -m evictlab.train` is the store's entry point. Training
+windows come from data/sampler.py.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -28,24 +28,13 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from evictlab.checkpoints import (
-    Checkpoint,
-    cached_checkpoint,
-    check_settings,
-    checkpoint_key,
-    gguf_checkpoint,
-    pretrained,
-)
-from evictlab.cli import hydra_entry
 from evictlab.config import Config, TrainConfig
-from evictlab.data.dataset import Corpus, TokenSplit, load_corpus
+from evictlab.data.dataset import Corpus, TokenSplit
 from evictlab.data.sampler import WindowSampler
 from evictlab.errors import DivergedError, TrainingInterrupted
-from evictlab.eval.sinks import sink_metrics
-from evictlab.models.gguf import is_gguf
 from evictlab.models.gpt import GPT
 from evictlab.perf import build_info, matmul_flops_per_s, pinned_threads
-from evictlab.store import atomic_path, git_info, package_versions, to_jsonable
+from evictlab.store import atomic_path, to_jsonable
 
 log = logging.getLogger(__name__)
 
@@ -333,80 +322,8 @@ def _train_model(cfg: Config, corpus: Corpus, progress: Progress | None) -> tupl
     return model, record
 
 
-# ---------------------------------------------------------------------------------- checkpoints
-
-
-def get_checkpoint(cfg: Config, corpus: Corpus | None = None) -> Checkpoint:
-    """The model for cfg: a trained one from the cache when present and intact, else trained (once); a
-    GGUF file converted once (`gguf_checkpoint`); a Hugging Face checkpoint mapped at each load."""
-    if is_gguf(cfg.model.name_or_path):
-        return gguf_checkpoint(cfg)
-    corpus = corpus or load_corpus(cfg.dataset, cfg.tokenizer, cfg.outputs, min_tokens=cfg.corpus_min_tokens)
-    if cfg.model.name_or_path:  # a pretrained checkpoint: nothing to train
-        return pretrained(cfg)
-    cfg = replace(
-        cfg, model=replace(cfg.model, vocab_size=corpus.tokenizer.vocab_size)
-    )  # caller's cfg untouched
-    key = checkpoint_key(cfg, corpus)
-    dest = cfg.outputs / "checkpoints" / f"{cfg.model.name}-{key}"
-    progress = Progress(dest.parent / ".progress" / f"{dest.name}.pt", key)
-
-    def build() -> tuple[GPT, dict[str, Any]]:
-        log.info("training %s (checkpoint key %s)", cfg.model.name, key)
-        model, record = train_model(cfg, corpus, progress)
-        sink, layers = sink_metrics(model, corpus, cfg.train.seq_len, cfg.model.sink_token)
-        last = layers[layers["metric"] == "last_query_first_mass"].sort_values("layer")["value"]
-        record |= sink | {"last_query_first_mass": last.tolist()}
-        meta = {
-            "key": key,
-            "model": to_jsonable(cfg.model),
-            "tokenizer": corpus.tokenizer.spec,
-            "dataset": to_jsonable(cfg.dataset),
-            "data_hash": corpus.data_hash,
-            "split_hashes": corpus.split_hashes,
-            "train": to_jsonable(cfg.train),
-            "seed": cfg.train.seed,
-            **record,
-            "git": git_info(),
-            "packages": package_versions(),
-            "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        }
-        return model, meta
-
-    ck = cached_checkpoint(dest, lambda m: check_settings(m, cfg, key), build)
-    if not ck.cached:
-        progress.discard()
-    return ck
-
-
-def summary(ck: Checkpoint, seconds: float) -> str:
-    m = ck.meta
-    if m.get("source") == "gguf":
-        how = f"loaded in {seconds:.2f} s" if ck.cached else f"converted in {m['convert_s']:.0f} s"
-        return f"{m['label']} ({m['params']:,} params) {how}\n  -> {ck.path}"
-    if m.get("source") == "hf":
-        return (
-            f"{m['model_type']} checkpoint ({m['params']:,} params) loaded in {seconds:.2f} s\n  -> {ck.path}"
-        )
-    how = f"loaded from cache in {seconds:.2f} s" if ck.cached else f"trained in {m['wall_s']:.0f} s"
-    base = m["baselines"]
-    return (
-        f"{m['model']['name']} ({m['params']:,} params) {how}: val {m['val_bpb']:.3f} bits/byte "
-        f"(unigram {base['unigram_val_bpb']:.3f}, bigram {base['bigram_val_bpb']:.3f}), "
-        f"{m['tokens_per_s']:,.0f} train tok/s"
-        + (f" = {100 * m['floor_fraction']:.2g}% of the FLOP floor" if m.get("floor_fraction") else "")
-        + f"\n  -> {ck.path}"
-    )
-
-
-def main() -> None:
-    def job(cfg: Config) -> str:
-        start = time.perf_counter()
-        ck = get_checkpoint(cfg)
-        return summary(ck, time.perf_counter() - start)
-
-    hydra_entry(job)
-
-
+# python -m evictlab.train: the store trains on a miss (checkpoints.get_checkpoint, its entry point)
 if __name__ == "__main__":
+    from evictlab.checkpoints import main
+
     main()
