@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -913,3 +916,58 @@ def test_the_sinks_table_pairs_each_count_with_one_sink_on_the_same_streams_of_t
     )
     assert t.loc[1, "no BOS, original"] == "1.000 [1.000, 1.000]; 0/6"
     assert t.loc[0, "BOS, original"].startswith(f"{np.exp(1.0):.3f}")
+
+
+def test_overlapping_tick_labels_finds_crowded_labels_and_passes_clean_ones():
+    with F.style():
+        fig, ax = F._subplots(figsize=(3, 2))
+        ax.set_xticks(range(30), [f"layer {i}" for i in range(30)])
+        assert ("layer 0", "layer 1") in F.overlapping_tick_labels(fig)
+        fig, ax = F._subplots(figsize=(3, 2))
+        ax.set_xticks(range(0, 30, 10), ["0", "10", "20"])
+        ax.set_xlim(-1, 30)
+        assert F.overlapping_tick_labels(fig) == []
+        fig, ax = F._subplots(figsize=(3, 2))  # rotated: crowded only when closer than the text is high
+        ax.set_xticks(range(60), [f"L{i}" for i in range(60)], rotation=45)
+        assert F.overlapping_tick_labels(fig)
+        ax.set_xticks(range(0, 60, 12), [f"L{i}" for i in range(0, 60, 12)], rotation=45)
+        assert F.overlapping_tick_labels(fig) == []
+
+
+def _minor_labels_in_view(fig, ax) -> set[str]:
+    fig.canvas.draw()
+    low, high = ax.get_ylim()
+    pairs = zip(ax.yaxis.get_minorticklocs(), ax.yaxis.get_minorticklabels(), strict=False)
+    return {t.get_text() for loc, t in pairs if low <= loc <= high and t.get_text()}
+
+
+def test_a_log_axis_labels_only_the_minor_ticks_that_fit():
+    with F.style():
+        fig, ax = F._subplots(figsize=(4, 3))
+        ax.plot([0, 1], [0.95, 300])  # 2.5 decades: powers of ten, then 2 and 5 only; never 0.9 under 1
+        F._log_y(ax)
+        shown = _minor_labels_in_view(fig, ax)
+        assert shown and shown <= {"2", "5", "20", "50", "200"}
+        assert F.overlapping_tick_labels(fig) == []
+        fig, ax = F._subplots(figsize=(4, 3))
+        ax.plot([0, 1], [1.0, 1.9])  # within a decade: every minor tick
+        F._log_y(ax)
+        assert {"1.2", "1.4", "1.6", "1.8"} <= _minor_labels_in_view(fig, ax)
+
+
+def test_figures_register_where_defined_and_drawing_sets_no_global_backend(tmp_path: Path):
+    """Importing the figures, drawing one and saving it as PNG and PDF leaves matplotlib's backend
+    unresolved (a notebook's own stays), and keeps no figure in pyplot's list."""
+    code = (
+        "import matplotlib, sys; import evictlab.analysis.figures as F; "
+        "fig, ax = F._subplots(figsize=(2, 2)); ax.plot([1, 2]); "
+        f"fig.savefig(r'{tmp_path}/a.png'); fig.savefig(r'{tmp_path}/a.pdf'); "
+        "import matplotlib.pyplot as plt; "
+        "print(matplotlib.rcParams._get_backend_or_none(), plt.get_fignums(), len(F.FIGURES))"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "MPLBACKEND"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env)
+    assert out.stdout.split() == ["None", "[]", str(len(F.FIGURES))]
+    assert (tmp_path / "a.png").stat().st_size > 0 and (tmp_path / "a.pdf").stat().st_size > 0
+    for name, spec in F.FIGURES.items():  # each entry is the module's function of that name
+        assert callable(getattr(F, name)) and spec.draw.__qualname__.startswith("figure.")

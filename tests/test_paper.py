@@ -24,8 +24,17 @@ def test_every_experiment_folder_is_complete():
         assert sum(p.stat().st_size for p in (folder / "snapshot").iterdir()) < 2_000_000  # small
 
 
-def test_make_figures_redraws_every_paper_figure(tmp_path: Path):
+def test_make_figures_redraws_every_paper_figure_with_no_tick_labels_overlapping(tmp_path: Path, monkeypatch):
+    real, overlaps = paper.F.draw, {}
+
+    def checked(name, tables, **args):  # inside paper.draw's style block, as the figure is saved
+        fig = real(name, tables, **args)
+        overlaps[name] = overlaps.get(name, []) + paper.F.overlapping_tick_labels(fig)
+        return fig
+
+    monkeypatch.setattr(paper.F, "draw", checked)
     assert paper.main(["figures", "--out", str(tmp_path)]) == 0
+    assert len(overlaps) >= 10 and not {k: v for k, v in overlaps.items() if v}
     for folder in paper.experiment_folders():
         for fig in paper.load_spec(folder)["figures"]:
             stem = fig.get("file", fig["name"])

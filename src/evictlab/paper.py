@@ -19,7 +19,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import matplotlib.pyplot as plt
 import pandas as pd
 import yaml
 
@@ -57,7 +56,6 @@ def draw(folder: Path, out: Path) -> list[Path]:
             for ext in ("png", "pdf"):
                 fig.savefig(out / f"{stem}.{ext}", dpi=150)
                 written.append(out / f"{stem}.{ext}")
-        plt.close(fig)
     return written
 
 

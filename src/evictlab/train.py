@@ -106,6 +106,29 @@ def fixed_batches(
     return [tuple(t.to(device) for t in sampler.batch(cfg.batch_size)) for _ in range(cfg.eval_batches)]
 
 
+def train_step(
+    model: GPT, opt, tc: TrainConfig, sampler: WindowSampler, step: int, device
+) -> tuple[float, float]:
+    """One optimizer step at the scheduled learning rate (clipped gradients); returns (lr, its loss)."""
+    lr = lr_at(step, tc)
+    for group in opt.param_groups:
+        group["lr"] = lr
+    x, y = (t.to(device) for t in sampler.batch(tc.batch_size))
+    _, loss = model(x, y)
+    value = float(loss.detach())
+    if not math.isfinite(value):
+        raise DivergedError(
+            f"training diverged: loss {value} at step {step + 1} (lr {lr:.3g}); nothing was "
+            "cached. Lower train.lr or check the model settings"
+        )
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    if tc.grad_clip > 0:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), tc.grad_clip)
+    opt.step()
+    return lr, value
+
+
 def optimize(
     model: GPT,
     tc: TrainConfig,
@@ -140,22 +163,7 @@ def optimize(
     model.train()
     with stop_requests() as stop:
         for step in bar:
-            lr = lr_at(step, tc)
-            for group in opt.param_groups:
-                group["lr"] = lr
-            x, y = (t.to(device) for t in sampler.batch(tc.batch_size))
-            _, loss = model(x, y)
-            value = float(loss.detach())
-            if not math.isfinite(value):
-                raise DivergedError(
-                    f"training diverged: loss {value} at step {step + 1} (lr {lr:.3g}); nothing was "
-                    "cached. Lower train.lr or check the model settings"
-                )
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            if tc.grad_clip > 0:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), tc.grad_clip)
-            opt.step()
+            lr, value = train_step(model, opt, tc, sampler, step, device)
             row: dict[str, float] = {"step": step + 1, "lr": lr, "train_loss": value}
             if (step + 1) % tc.eval_interval == 0 or step + 1 == tc.steps:
                 row["val_loss"] = mean_loss(model, val_batches)
@@ -169,8 +177,7 @@ def optimize(
             if after_step is not None:
                 after_step(step + 1)
             if progress is not None and step + 1 < tc.steps:
-                due = time.perf_counter() - progress.last_save >= tc.save_every_s
-                if due or stop.is_set():
+                if stop.is_set() or time.perf_counter() - progress.last_save >= tc.save_every_s:
                     progress.save(TrainState.capture(model, opt, sampler, history, start))
                 if stop.is_set():
                     bar.close()

@@ -1,5 +1,9 @@
 """Figures as pure functions: tidy frames in, a matplotlib Figure out. One theme, one policy order and
 colour everywhere. Confidence intervals: 95% bootstrap over (seed, stream) units.
+
+Each figure registers itself where it is defined (`@figure`: the tables it reads, when a sweep supports it,
+its automatic arguments). Figures are built outside pyplot (`_subplots`), so importing or drawing sets no
+backend and keeps no global figure list: the caller saves the Figure (PNG and PDF render on their own).
 """
 
 from __future__ import annotations
@@ -8,18 +12,16 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-import matplotlib
+import matplotlib.ticker as mticker
+import numpy as np
+import pandas as pd
+import seaborn as sns
+from matplotlib import rc_context
+from matplotlib.artist import setp
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
 
-matplotlib.use("Agg")
-
-import matplotlib.pyplot as plt  # noqa: E402
-import matplotlib.ticker as mticker  # noqa: E402
-import numpy as np  # noqa: E402
-import pandas as pd  # noqa: E402
-import seaborn as sns  # noqa: E402
-from matplotlib.figure import Figure  # noqa: E402
-
-from evictlab.analysis.stats import (  # noqa: E402
+from evictlab.analysis.stats import (
     RUNS_REFERENCE,
     PolicyOrder,
     curve_band,
@@ -40,7 +42,7 @@ from evictlab.analysis.stats import (  # noqa: E402
     training_labels,
     variants,
 )
-from evictlab.results import position_buckets  # noqa: E402
+from evictlab.results import position_buckets
 
 _PALETTE = sns.color_palette("tab10", 10)
 _TRAINING_MARKERS = ("x", "^", "s", "v", "D", "P")  # one per training run of a group (ablations)
@@ -75,6 +77,14 @@ def policy_color(order: int):
     return colorsys.hsv_to_rgb((0.11 + 0.618034 * order) % 1.0, 0.65, 0.72)
 
 
+def _subplots(nrows: int = 1, ncols: int = 1, *, figsize, layout=None, **kw):
+    """A Figure and its axes (as plt.subplots) built outside pyplot, on an Agg canvas of its own: no
+    global backend, no global figure list."""
+    fig = Figure(figsize=figsize, layout=layout)
+    FigureCanvasAgg(fig)
+    return fig, fig.subplots(nrows, ncols, **kw)
+
+
 @contextmanager
 def style() -> Iterator[None]:
     """evictlab's figure style (seaborn's paper context, whitegrid, its colour codes) inside the block only:
@@ -83,7 +93,7 @@ def style() -> Iterator[None]:
     from matplotlib import colors as mcolors
 
     codes = {c: mcolors.colorConverter.colors[c] for c in "bgrmyck"}
-    with plt.rc_context():
+    with rc_context():
         sns.set_theme(context="paper", style="whitegrid", font_scale=1.1)
         try:
             yield
@@ -95,16 +105,39 @@ def style() -> Iterator[None]:
 def _log_y(ax) -> None:
     """Log y axis with plain numbers (2.5, 3, 4) instead of 10^x labels; a linear one when the data span
     less than a factor of 1.5 (a log axis over 1.00-1.01 labels its ticks 1.01, 1.01, 1, 1)."""
-    from matplotlib.ticker import FormatStrFormatter, MaxNLocator
+    from matplotlib.ticker import MaxNLocator
 
     low, high = ax.dataLim.y0, ax.dataLim.y1
     if low > 0 and high / low < 1.5:
         ax.yaxis.set_major_locator(MaxNLocator(6))
         return
     ax.set_yscale("log")
-    ax.yaxis.set_major_formatter(FormatStrFormatter("%.3g"))
-    ax.yaxis.set_minor_formatter(FormatStrFormatter("%.3g"))
+    _plain_log_labels(ax.yaxis)
     ax.tick_params(axis="y", which="minor", labelsize=7)
+
+
+# the leading digits of the minor ticks a log axis labels when it spans more than one decade: fewer as it
+# spans more (within one decade, every minor tick); never one within 12% of a power of ten (0.9 under 1)
+_MINOR_DIGITS = ((2.0, {2, 3, 5}), (3.0, {2, 5}))
+
+
+def _plain_log_labels(axis) -> None:
+    """A log axis labelled with plain numbers (%.3g): every power of ten, and the minor ticks that fit."""
+
+    def minor(x: float, _pos) -> str:
+        low, high = sorted(axis.get_view_interval())
+        decades = np.log10(high / low) if low > 0 else np.inf
+        exponent = np.log10(x)
+        if abs(exponent - round(exponent)) < 0.05:
+            return ""
+        if decades > 1:
+            digits = next((d for most, d in _MINOR_DIGITS if decades <= most), set())
+            if round(x / 10 ** np.floor(exponent)) not in digits:
+                return ""
+        return f"{x:.3g}"
+
+    axis.set_major_formatter(mticker.FormatStrFormatter("%.3g"))
+    axis.set_minor_formatter(mticker.FuncFormatter(minor))
 
 
 def _finish(fig: Figure, ax, xlabel: str, ylabel: str, title: str) -> Figure:
@@ -137,6 +170,125 @@ def _budget_axis(ax, budgets) -> None:
     ax.set_xticklabels([str(t) for t in ticks])
 
 
+# ------------------------------------------------------------------------------------ the registry
+# One registry for the sweep report (every figure whose `applies` holds, with `auto` arguments) and the
+# paper figures (experiments/<name>/figures.yaml names figures and their arguments). A figure reads the
+# aggregated tables (evictlab/results.py: TABLES, plus "runs" = wide(results)).
+
+Tables = dict[str, pd.DataFrame]
+
+
+@dataclass(frozen=True)
+class FigureSpec:
+    draw: Callable[..., Figure]  # (tables, **args) -> Figure
+    applies: Callable[[Tables], bool]  # does a sweep's tables support it
+    auto: Callable[[Tables], dict] = lambda t: {}  # its arguments when the report draws it
+    per_variant: bool = False  # compares training variants (else it shows one model: the first variant)
+
+
+def _mode(t: Tables) -> str:
+    modes = set(t["streams"]["position_mode"])
+    return "original" if "original" in modes else sorted(modes)[0]
+
+
+def _many_variants(t: Tables) -> bool:
+    return "variant" in t["streams"] and t["streams"]["variant"].nunique() > 1
+
+
+def _has(table: str, column: str | None = None, metric: str | None = None) -> Callable[[Tables], bool]:
+    def check(t: Tables) -> bool:
+        frame = t.get(table, pd.DataFrame())
+        if frame.empty or (column is not None and column not in frame):
+            return False
+        return metric is None or bool((frame["metric"] == metric).any())
+
+    return check
+
+
+def _middle_budget(t: Tables) -> dict:
+    budgets = sorted(set(evicting(t["curves"])["budget"]))
+    return {"budget": budgets[len(budgets) // 2], "mode": _mode(t)}
+
+
+def _mode_arg(t: Tables) -> dict:
+    return {"mode": _mode(t)}
+
+
+def _trend_args(t: Tables) -> dict:
+    return {"axes": trend_axes(t["results"])}
+
+
+def _kl(t: Tables) -> bool:
+    return "kl" in t["streams"]
+
+
+def _paired(t: Tables) -> bool:
+    return "nll_full" in t["streams"] and not evicting(t["streams"]).empty
+
+
+def _two_modes(t: Tables) -> bool:
+    return {"original", "cache"} <= set(t["streams"]["position_mode"])
+
+
+def _evicting_budgets(t: Tables) -> bool:
+    return not evicting(t["curves"]).empty
+
+
+def _sink_counts(t: Tables) -> bool:
+    """A sweep over the number of initial positions kept, of one evicting policy (StreamingLLM's sinks, or
+    the recompute window's) and nothing else evicting."""
+    column = "cfg.strategy.params.n_sink"
+    if "nll_full" not in t["streams"] or column not in t.get("results", pd.DataFrame()):
+        return False
+    policies = set(evicting(t["streams"])["strategy"])
+    return len(policies) == 1 and t["results"][column].nunique() > 1
+
+
+def _arms(t: Tables) -> bool:
+    """A sweep over named arms (conf/arm/), compared with the full cache."""
+    results = t.get("results", pd.DataFrame())
+    if "nll_full" not in t["streams"] or "cfg.arm" not in results:
+        return False
+    return bool((results["cfg.arm"].fillna("none") != "none").any())
+
+
+def _variant_sink(t: Tables) -> bool:
+    return _many_variants(t) and bool(first_position_mass(t["layers"]))
+
+
+def _variant_eviction(t: Tables) -> bool:
+    return _many_variants(t) and "nll_full" in t["streams"] and not evicting(t["streams"]).empty
+
+
+def _variant_trend(t: Tables) -> bool:
+    return _variant_sink(t) and bool(trend_axes(t["results"]))
+
+
+FIGURES: dict[str, FigureSpec] = {}
+
+
+def figure(
+    *tables: str,
+    applies: Callable[[Tables], bool],
+    auto: Callable[[Tables], dict] = lambda t: {},
+    per_variant: bool = False,
+) -> Callable[[Callable[..., Figure]], Callable[..., Figure]]:
+    """Register the decorated function under its name: drawn from the named tables (in its parameters'
+    order) when `applies` holds, with `auto`'s arguments in the sweep report."""
+
+    def register(fn: Callable[..., Figure]) -> Callable[..., Figure]:
+        def draw(t: Tables, **args) -> Figure:
+            return fn(*(t[name] for name in tables), **args)
+
+        FIGURES[fn.__name__] = FigureSpec(draw, applies, auto, per_variant)
+        return fn
+
+    return register
+
+
+# ------------------------------------------------------------------------------------ the figures
+
+
 def metric_vs_budget(
     streams: pd.DataFrame,
     column: str,
@@ -150,7 +302,7 @@ def metric_vs_budget(
     """A line per policy with its 95% CI band; the full cache as a horizontal reference."""
     P = Policies(streams)
     s = summarize_streams(streams[streams["position_mode"] == mode], column, transform)
-    fig, ax = plt.subplots(figsize=(7.6, 4.2))
+    fig, ax = _subplots(figsize=(7.6, 4.2))
     budgets = s.loc[~s["strategy"].map(P.is_reference), "budget"]
     for name in P.ordered(s["strategy"]):
         g = s[s["strategy"] == name].sort_values("budget")
@@ -168,6 +320,7 @@ def metric_vs_budget(
     return _finish(fig, ax, "KV budget (entries per layer)", ylabel, title)
 
 
+@figure("streams", applies=_has("streams"), auto=_mode_arg)
 def ppl_vs_budget(streams: pd.DataFrame, mode: str = "original") -> Figure:
     title = (
         f"perplexity vs budget ({mode} positions; 95% CI over streams, unpaired: cost_vs_budget pairs "
@@ -178,14 +331,17 @@ def ppl_vs_budget(streams: pd.DataFrame, mode: str = "original") -> Figure:
     )
 
 
+@figure("streams", applies=_kl, auto=_mode_arg)
 def kl_vs_budget(streams: pd.DataFrame, mode: str = "original") -> Figure:
     return metric_vs_budget(streams, "kl", "KL(p_full || p_policy) [nats]", mode=mode, log_y=False)
 
 
+@figure("streams", applies=_kl, auto=_mode_arg)
 def agreement_vs_budget(streams: pd.DataFrame, mode: str = "original") -> Figure:
     return metric_vs_budget(streams, "agree", "top-1 agreement with the full cache", mode=mode)
 
 
+@figure("streams", applies=_paired, auto=_mode_arg)
 def cost_vs_budget(streams: pd.DataFrame, mode: str = "original", outlier: float = 2.0) -> Figure:
     """What each policy costs relative to the full cache: exp(mean over streams of NLL - full-cache NLL),
     with a paired 95% bootstrap CI over (seed, stream) units, against the budget (log axes). Policies
@@ -197,7 +353,7 @@ def cost_vs_budget(streams: pd.DataFrame, mode: str = "original", outlier: float
     worst = r.groupby("strategy")["point"].max()
     groups = [[n for n in P.ordered(r["strategy"]) if (worst[n] > outlier) == far] for far in (False, True)]
     groups = [g for g in groups if g]
-    fig, axes = plt.subplots(1, len(groups), figsize=(7.4 * len(groups), 4.4), squeeze=False)
+    fig, axes = _subplots(1, len(groups), figsize=(7.4 * len(groups), 4.4), squeeze=False)
     for ax, names in zip(axes[0], groups, strict=True):
         for name in names:
             g = r[r["strategy"] == name].sort_values("budget")
@@ -220,6 +376,24 @@ def cost_vs_budget(streams: pd.DataFrame, mode: str = "original", outlier: float
     return fig
 
 
+def _stream_curves(g: pd.DataFrame, col: str, smooth: int, min_tokens: int) -> pd.DataFrame:
+    """One policy's curve per stream (seeds and runs pooled), its first buckets pooled to >= min_tokens
+    positions (`stats.pool_buckets`), each a centred mean over `smooth` log-spaced buckets."""
+    keys = ["position", "stream"] if "stream" in g else ["position"]
+    if "position_start" in g:
+        keys.append("position_start")
+    per_stream = pool_buckets(g.groupby(keys, as_index=False)[col].mean(), col, min_tokens)
+    if "stream" not in per_stream:
+        per_stream = per_stream.assign(stream=0)
+    if smooth > 1:  # rows are in position order within a stream
+        rolled = per_stream.groupby("stream")[col].transform(
+            lambda v: v.rolling(smooth, center=True, min_periods=1).mean()
+        )
+        per_stream[col] = rolled
+    return per_stream
+
+
+@figure("curves", applies=_evicting_budgets, auto=_middle_budget)
 def nll_vs_position(
     curves: pd.DataFrame,
     budget: int,
@@ -245,7 +419,7 @@ def nll_vs_position(
     if stream_len is not None:
         at &= curves["stream_len"] == stream_len
     c = curves[(curves["position_mode"] == mode) & at]
-    fig, ax = plt.subplots(figsize=(7.6, 4.2))
+    fig, ax = _subplots(figsize=(7.6, 4.2))
     lines = [(name, c[c["strategy"] == name], "nll", P.label(name)) for name in P.ordered(c["strategy"])]
     if (
         not any(P.is_reference(name) for name in c["strategy"])
@@ -257,30 +431,13 @@ def nll_vs_position(
         lines.insert(0, (RUNS_REFERENCE, first, "nll_full", "full cache (reference)"))
     for name, g, col, label in lines:
         g = g.dropna(subset=[col])
-        keys = ["position", "stream"] if "stream" in g else ["position"]
-        if "position_start" in g:
-            keys.append("position_start")
-        per_stream = g.groupby(keys, as_index=False)[col].mean()  # seeds and runs pooled
-        per_stream = pool_buckets(per_stream, col, min_tokens)
-        if smooth > 1:  # each stream's curve (rows in position order): a centred mean over `smooth` buckets
-
-            def rolled(v: pd.Series) -> pd.Series:
-                return v.rolling(smooth, center=True, min_periods=1).mean()
-
-            by_stream = "stream" in per_stream
-            per_stream[col] = (
-                per_stream.groupby("stream")[col].transform(rolled) if by_stream else rolled(per_stream[col])
-            )
-        if "stream" not in per_stream:
-            per_stream = per_stream.assign(stream=0)
-        mean = curve_band(per_stream, col)
+        mean = curve_band(_stream_curves(g, col, smooth, min_tokens), col)
         reference = P.is_reference(name) or col == "nll_full"
         color = P.color(name) if col == "nll" else "0.2"
-        ax.plot(
-            mean["position"], mean["mean"], color=color, label=label, lw=2.0 if reference else 1.5,
-            ls="-" if reference else P.linestyle(name), marker=None if reference else P.marker(name), ms=3.5,
-            markevery=(P.order.get(name, 0) % 4, 4),
-        )  # fmt: skip
+        look = {"lw": 2.0, "ls": "-", "marker": None} if reference else {}
+        look = look or {"lw": 1.5, "ls": P.linestyle(name), "marker": P.marker(name)}
+        markevery = (P.order.get(name, 0) % 4, 4)
+        ax.plot(mean["position"], mean["mean"], color=color, label=label, ms=3.5, markevery=markevery, **look)
         if "stream" in g and g["stream"].nunique() > 1:
             ax.fill_between(mean["position"], mean["low"], mean["high"], color=color, alpha=0.15, lw=0)
     ax.axvline(budget, color="0.5", lw=0.8, ls=":", label=f"cache budget ({budget:,})")
@@ -296,6 +453,7 @@ def nll_vs_position(
     return _finish(fig, ax, "token position in the stream", "NLL [nats]", title)
 
 
+@figure("runs", applies=_has("runs", "kv_bytes"), auto=_mode_arg)
 def quality_vs_memory(runs: pd.DataFrame, mode: str = "original") -> Figure:
     """Perplexity against KV bytes held per sequence: the Pareto view (means over seeds)."""
     P = Policies(runs)
@@ -303,7 +461,7 @@ def quality_vs_memory(runs: pd.DataFrame, mode: str = "original") -> Figure:
         ["kv_bytes", "ppl"]
     ]
     r = r.mean()
-    fig, ax = plt.subplots(figsize=(7.6, 4.2))
+    fig, ax = _subplots(figsize=(7.6, 4.2))
     for name in P.ordered(r["strategy"]):
         g = r[r["strategy"] == name].sort_values("kv_bytes")
         ls = "none" if P.is_reference(name) else "-"
@@ -322,12 +480,16 @@ def quality_vs_memory(runs: pd.DataFrame, mode: str = "original") -> Figure:
         alpha=0.5,
         label="Pareto front",
     )
-    ax.set_xscale("log")
+    ax.set_xscale("log")  # a tick at each memory the runs held (plain KiB), none between
+    ax.set_xticks(sorted(r["kv_bytes"].unique() / 1024))
+    ax.xaxis.set_major_formatter(mticker.StrMethodFormatter("{x:,.0f}"))
+    ax.xaxis.set_minor_formatter(mticker.NullFormatter())
     _log_y(ax)
     title = f"Quality vs KV memory ({mode} positions)\n{subject_caption(runs)}"
     return _finish(fig, ax, "KV cache held per sequence [KiB]", "perplexity", title)
 
 
+@figure("runs", applies=_has("runs", "token_steps_per_s"))
 def throughput(runs: pd.DataFrame) -> Figure:
     """Token-steps per second per policy (log scale; median over runs, whiskers from the slowest to the
     fastest run) and the share of step time inside the policy (a policy evaluated without a per-step
@@ -340,7 +502,7 @@ def throughput(runs: pd.DataFrame) -> Figure:
     labels, colors = [P.label(n) for n in names], [P.color(n) for n in names]
     speed = r["token_steps_per_s"].to_numpy()
     spread = np.vstack([speed - low["token_steps_per_s"], high["token_steps_per_s"] - speed])
-    fig, axes = plt.subplots(1, 2, figsize=(9.6, 0.32 * len(names) + 2.4))
+    fig, axes = _subplots(1, 2, figsize=(9.6, 0.32 * len(names) + 2.4))
     axes[0].barh(labels, speed, color=colors, xerr=spread, error_kw={"elinewidth": 0.8, "capsize": 2})
     axes[0].set_xscale("log")
     axes[0].set_xlabel("token-steps / s (median over runs; whiskers: slowest to fastest)")
@@ -367,11 +529,15 @@ def throughput(runs: pd.DataFrame) -> Figure:
     return fig
 
 
+@figure("layers", applies=_has("layers", metric="first4_mass"))
 def first4_mass(layers: pd.DataFrame) -> Figure:
     """Full-cache attention on the first 4 positions, per layer (are there attention sinks?)."""
     vals = layer_values(layers, "first4_mass").groupby("layer")["value"].mean()
-    fig, ax = plt.subplots(figsize=(5.2, 3.6))
-    ax.bar([f"L{int(layer)}" for layer in vals.index], 100 * vals.to_numpy(), color="0.4")
+    fig, ax = _subplots(figsize=(5.2, 3.6))
+    names = [f"L{int(layer)}" for layer in vals.index]
+    ax.bar(names, 100 * vals.to_numpy(), color="0.4")
+    step = -(-len(names) // 12)  # at most 12 labels (30 layers: every third)
+    ax.set_xticks(range(0, len(names), step), names[::step])
     ax.set_ylabel("% attention on positions 0-3")
     ax.set_xlabel("layer")
     ax.set_title("Attention mass on the first positions (full cache)")
@@ -379,6 +545,7 @@ def first4_mass(layers: pd.DataFrame) -> Figure:
     return fig
 
 
+@figure("streams", applies=_two_modes)
 def position_modes(streams: pd.DataFrame) -> Figure:
     """What re-indexing positions after eviction (`cache`) changes against keeping the text positions
     (`original`), per policy and budget: the paired perplexity ratio exp(mean over streams of NLL_cache -
@@ -386,7 +553,7 @@ def position_modes(streams: pd.DataFrame) -> Figure:
     P = Policies(streams)
     e = evicting(streams)
     r = mode_ratios(streams)
-    fig, ax = plt.subplots(figsize=(7.6, 4.2))
+    fig, ax = _subplots(figsize=(7.6, 4.2))
     for name in P.ordered(r["strategy"]):
         g = r[r["strategy"] == name].sort_values("budget")
         _policy_line(ax, P, name, g["budget"], g["point"], g["low"], g["high"])
@@ -397,6 +564,7 @@ def position_modes(streams: pd.DataFrame) -> Figure:
     return _finish(fig, ax, "KV budget (entries per layer)", "perplexity ratio, cache / original", title)
 
 
+@figure("streams", "results", applies=_sink_counts)
 def sinks_vs_count(streams: pd.DataFrame, results: pd.DataFrame) -> Figure:
     """StreamingLLM's initial-token table as a figure: the sinks-plus-window cache's perplexity relative to
     the full cache (paired, 95% CI over streams) against the number of initial positions kept (0: a plain
@@ -406,7 +574,7 @@ def sinks_vs_count(streams: pd.DataFrame, results: pd.DataFrame) -> Figure:
     r = summarize_streams(s, "delta", np.exp, keys=("bos", "position_mode", "n_sink"))
     counts = sorted(int(n) for n in r["n_sink"].unique())
     x = {n: i for i, n in enumerate(counts)}
-    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    fig, ax = _subplots(figsize=(6.4, 4.2))
     colors = {True: _PALETTE[2], False: _PALETTE[3]}
     for (bos, mode), g in r.groupby(["bos", "position_mode"]):
         g = g.sort_values("n_sink")
@@ -441,6 +609,7 @@ ARMS = {
 }
 
 
+@figure("streams", "results", applies=_arms)
 def ablations(streams: pd.DataFrame, results: pd.DataFrame) -> Figure:
     """Issue 27's arms side by side: each arm's perplexity relative to the full cache (paired per stream;
     a hierarchical 95% CI over training runs, then streams, when there are several), with each training
@@ -455,73 +624,80 @@ def ablations(streams: pd.DataFrame, results: pd.DataFrame) -> Figure:
     modes = sorted(whole["position_mode"].unique(), key=lambda m: m != "original")
     r = summarize_streams(whole, "delta", np.exp, keys=("arm", "position_mode"))
     per_run = whole.groupby(["arm", "position_mode", "checkpoint"])["delta"].mean().map(np.exp)
-    named = training_labels(results)  # checkpoint -> its training's distinguishing settings
     arms = sorted(r["arm"].unique(), key=lambda a: (list(ARMS).index(a) if a in ARMS else len(ARMS), a))
     legend_rows = len(modes) + per_run.index.get_level_values("checkpoint").nunique()  # below the panel
-    fig, axes = plt.subplots(
-        1, 2 if len(by_layer) else 1,
-        figsize=(11.5 if len(by_layer) else 7.4, 0.42 * len(arms) + 1.9 + 0.25 * legend_rows),
-        squeeze=False, gridspec_kw={"width_ratios": [1.5, 1]} if len(by_layer) else None,
-    )  # fmt: skip
-    ax = axes[0, 0]
+    height = 0.42 * len(arms) + 1.9 + 0.25 * legend_rows
+    if len(by_layer):
+        fig, axes = _subplots(
+            1, 2, figsize=(11.5, height), squeeze=False, gridspec_kw={"width_ratios": [1.5, 1]}
+        )
+    else:
+        fig, axes = _subplots(1, 1, figsize=(7.4, height), squeeze=False, gridspec_kw=None)
+    _arms_panel(axes[0, 0], r, per_run, arms, modes, training_labels(results))
+    trainings = int(r["clusters"].max()) if len(r) else 0
+    budget = ", ".join(str(int(b)) for b in sorted(evicting(whole)["budget"].unique())) or "-"
+    ci = "95% CI over training runs, then streams" if trainings > 1 else "95% CI over streams"
+    runs_word = f"{trainings} training run{'s' if trainings != 1 else ''}"
+    axes[0, 0].set_title(
+        f"What the first token does: budget {budget}, {runs_word}, paired {ci}\n{subject_caption(whole)}",
+        fontsize=10,
+    )
+    if len(by_layer):
+        _layers_panel(axes[0, 1], by_layer, r, modes)
+    fig.tight_layout()
+    return fig
+
+
+def _arms_panel(ax, r: pd.DataFrame, per_run: pd.Series, arms: list, modes: list, named: dict) -> None:
+    """The ablations' arms as rows: per position mode the mean ratio with its CI, and each training run's
+    own ratio (`named`: checkpoint -> its training's distinguishing settings)."""
     for k, mode in enumerate(modes):
         offset = 0.0 if len(modes) == 1 else (k - 0.5) * 0.3
         g = r[r["position_mode"] == mode].set_index("arm")
         ys = [arms.index(a) + offset for a in g.index]
-        color = _PALETTE[k]
-        ax.errorbar(
-            g["point"], ys, xerr=[g["point"] - g["low"], g["high"] - g["point"]], fmt="o", ms=5, capsize=3,
-            color=color, label=f"{mode} positions, mean [95% CI]",
-        )  # fmt: skip
+        err = [g["point"] - g["low"], g["high"] - g["point"]]
+        label = f"{mode} positions, mean [95% CI]"
+        ax.errorbar(g["point"], ys, xerr=err, fmt="o", ms=5, capsize=3, color=_PALETTE[k], label=label)
         runs = per_run.xs(mode, level="position_mode")
         for j, (checkpoint, one) in enumerate(runs.groupby(level="checkpoint")):
             name = f"training {named[checkpoint]}" if len(named) > 1 else "one training run"
-            ax.scatter(
-                one.to_numpy(), [arms.index(a) + offset for a in one.index.get_level_values("arm")],
-                marker=_TRAINING_MARKERS[j % len(_TRAINING_MARKERS)], s=24, color="0.3", lw=1, zorder=3,
-                label=name if k == 0 else None,
-            )  # fmt: skip
+            rows = [arms.index(a) + offset for a in one.index.get_level_values("arm")]
+            marker = _TRAINING_MARKERS[j % len(_TRAINING_MARKERS)]
+            label = name if k == 0 else None
+            ax.scatter(one.to_numpy(), rows, marker=marker, s=24, color="0.3", lw=1, zorder=3, label=label)
     ax.axvline(1.0, color="k", lw=0.8, ls=":", label="full cache")
     ax.set_yticks(range(len(arms)))
     ax.set_yticklabels([ARMS.get(a, a) for a in arms])
     ax.invert_yaxis()
     ax.set_xscale("log")
-    ax.xaxis.set_major_formatter(mticker.FormatStrFormatter("%.3g"))
-    ax.xaxis.set_minor_formatter(mticker.FormatStrFormatter("%.3g"))
+    _plain_log_labels(ax.xaxis)
     ax.set_xlabel("perplexity / full-cache perplexity")
-    trainings = int(r["clusters"].max()) if len(r) else 0
-    budget = ", ".join(str(int(b)) for b in sorted(evicting(whole)["budget"].unique())) or "-"
-    ci = "95% CI over training runs, then streams" if trainings > 1 else "95% CI over streams"
-    runs_word = f"{trainings} training run{'s' if trainings != 1 else ''}"
-    ax.set_title(
-        f"What the first token does: budget {budget}, {runs_word}, paired {ci}\n{subject_caption(whole)}",
-        fontsize=10,
-    )
     # below the panel, off the data (the training markers sit anywhere along the rows)
     ax.legend(fontsize=8, frameon=False, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2)
-    if len(by_layer):
-        ax2 = axes[0, 1]
-        rl = summarize_streams(by_layer, "delta", np.exp, keys=("arm", "layer"))
-        for k, (arm, g) in enumerate(rl.groupby("arm")):
-            g = g.sort_values("layer")
-            color = _PALETTE[2 + k]
-            ax2.plot(g["layer"], g["point"], marker="o", ms=4, color=color, label=ARMS.get(arm, arm))
-            ax2.fill_between(g["layer"], g["low"], g["high"], color=color, alpha=0.15, lw=0)
-            if arm in set(r["arm"]):  # the same ablation in every layer at once
-                every = r[(r["arm"] == arm) & (r["position_mode"] == modes[0])]["point"]
-                ax2.axhline(float(every.iloc[0]), color=color, lw=0.8, ls="--", label="... in every layer")
-        ax2.axhline(1.0, color="k", lw=0.8, ls=":")
-        ax2.set_xticks(sorted(rl["layer"].unique()))
-        _log_y(ax2)
-        ax2.set_xlabel("layer ablated (one at a time)")
-        ax2.set_ylabel("perplexity / full-cache perplexity")
-        ax2.set_title("BOS ablated in one layer", fontsize=10)
-        # below the panel: the per-layer values and both "every layer" levels fill its height
-        ax2.legend(fontsize=8, frameon=False, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2)
-    fig.tight_layout()
-    return fig
 
 
+def _layers_panel(ax, by_layer: pd.DataFrame, r: pd.DataFrame, modes: list) -> None:
+    """BOS's key or value ablated in one layer at a time, against the same ablation in every layer."""
+    rl = summarize_streams(by_layer, "delta", np.exp, keys=("arm", "layer"))
+    for k, (arm, g) in enumerate(rl.groupby("arm")):
+        g = g.sort_values("layer")
+        color = _PALETTE[2 + k]
+        ax.plot(g["layer"], g["point"], marker="o", ms=4, color=color, label=ARMS.get(arm, arm))
+        ax.fill_between(g["layer"], g["low"], g["high"], color=color, alpha=0.15, lw=0)
+        if arm in set(r["arm"]):  # the same ablation in every layer at once
+            every = r[(r["arm"] == arm) & (r["position_mode"] == modes[0])]["point"]
+            ax.axhline(float(every.iloc[0]), color=color, lw=0.8, ls="--", label="... in every layer")
+    ax.axhline(1.0, color="k", lw=0.8, ls=":")
+    ax.set_xticks(sorted(rl["layer"].unique()))
+    _log_y(ax)
+    ax.set_xlabel("layer ablated (one at a time)")
+    ax.set_ylabel("perplexity / full-cache perplexity")
+    ax.set_title("BOS ablated in one layer", fontsize=10)
+    # below the panel: the per-layer values and both "every layer" levels fill its height
+    ax.legend(fontsize=8, frameon=False, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2)
+
+
+@figure("attention", applies=_has("attention"))
 def attention_heatmap(attention: pd.DataFrame) -> Figure:
     """Mean full-cache attention by key position (log-spaced buckets) and layer: are there sinks?"""
     from matplotlib.colors import LogNorm
@@ -533,7 +709,7 @@ def attention_heatmap(attention: pd.DataFrame) -> Figure:
     grid = a.pivot_table(index="layer", columns="bucket", values="attention", aggfunc="mean")
     ends = np.append(edges[1:] - 1, n - 1)  # last position of each bucket
     labels = [str(edges[b]) if ends[b] == edges[b] else f"{edges[b]}-{ends[b]}" for b in grid.columns]
-    fig, ax = plt.subplots(figsize=(8.8, 0.7 * len(grid) + 1.8))
+    fig, ax = _subplots(figsize=(8.8, 0.7 * len(grid) + 1.8))
     positive = grid.to_numpy()[grid.to_numpy() > 0]
     norm = LogNorm(vmin=max(positive.min(), 1e-5), vmax=positive.max()) if positive.size else None
     sns.heatmap(
@@ -548,11 +724,12 @@ def attention_heatmap(attention: pd.DataFrame) -> Figure:
     ax.set_xlabel("key position")
     ax.set_ylabel("layer")
     ax.set_title("Where the model attends (full cache; uniform would be 1/(query position + 1))")
-    plt.setp(ax.get_xticklabels(), rotation=45, ha="right", fontsize=7)
+    setp(ax.get_xticklabels(), rotation=45, ha="right", fontsize=7)
     fig.tight_layout()
     return fig
 
 
+@figure("recall", applies=_has("recall"), auto=_mode_arg)
 def recall_heatmaps(recall: pd.DataFrame, column: str = "exact_greedy", mode: str = "original") -> Figure:
     """Recall accuracy by needle depth x budget, one heatmap per policy (5 per row): where windowed and
     score-based policies differ most."""
@@ -567,7 +744,7 @@ def recall_heatmaps(recall: pd.DataFrame, column: str = "exact_greedy", mode: st
     ncol = min(5, len(names))
     nrow = -(-len(names) // ncol)
     size = (2.7 * ncol + 1.4, 2.6 * nrow + 0.8)
-    fig, axes = plt.subplots(nrow, ncol, figsize=size, squeeze=False, layout="constrained")
+    fig, axes = _subplots(nrow, ncol, figsize=size, squeeze=False, layout="constrained")
     for k, (ax, name) in enumerate(zip(axes.flat, names, strict=False)):  # spare panels stay empty
         g = r[r["strategy"] == name]
         ax.set_title(P.label(name), fontsize=10)
@@ -603,6 +780,7 @@ def recall_heatmaps(recall: pd.DataFrame, column: str = "exact_greedy", mode: st
     return fig
 
 
+@figure("layers", applies=_variant_sink, per_variant=True)
 def sink_by_variant(layers: pd.DataFrame, stat: str = "max") -> Figure:
     """Full-cache attention on position 0 per layer (max or mean over heads), one row per training
     variant: which recipes grow an attention sink, and in which layers."""
@@ -613,7 +791,7 @@ def sink_by_variant(layers: pd.DataFrame, stat: str = "max") -> Figure:
     width = max(len(v) for v in rows.values())
     padded = [np.pad(rows[v], (0, width - len(rows[v])), constant_values=np.nan) for v in order]
     grid = pd.DataFrame(padded, index=order, columns=[f"L{i}" for i in range(width)])
-    fig, ax = plt.subplots(figsize=(1.0 * width + 3.2, 0.42 * len(order) + 1.6))
+    fig, ax = _subplots(figsize=(1.0 * width + 3.2, 0.42 * len(order) + 1.6))
     from matplotlib.colors import TwoSlopeNorm
 
     # anchored at Gu et al.'s sink threshold: a head with 30% of its attention on position 0 is a sink
@@ -634,6 +812,7 @@ def sink_by_variant(layers: pd.DataFrame, stat: str = "max") -> Figure:
     return fig
 
 
+@figure("streams", applies=_variant_eviction, per_variant=True)
 def eviction_by_variant(streams: pd.DataFrame, arms: list | None = None) -> Figure:
     """Perplexity of each arm (an evicting policy in one position mode; default every arm the sweep ran)
     relative to the full cache, per training variant: exp(mean NLL - mean full-cache NLL) with a 95%
@@ -644,7 +823,7 @@ def eviction_by_variant(streams: pd.DataFrame, arms: list | None = None) -> Figu
     order = variants(r.index.get_level_values("variant"))
     arms = [tuple(a) for a in (arms or eviction_arms(streams))]
     arms = [a for a in arms if any((v, *a) in r.index for v in order)]
-    fig, ax = plt.subplots(figsize=(0.6 * len(order) * len(arms) / 2 + 3.0, 4.6))
+    fig, ax = _subplots(figsize=(0.6 * len(order) * len(arms) / 2 + 3.0, 4.6))
     x = np.arange(len(order))
     w = 0.8 / max(1, len(arms))
     for k, (name, mode) in enumerate(arms):
@@ -671,6 +850,7 @@ def eviction_by_variant(streams: pd.DataFrame, arms: list | None = None) -> Figu
     return _finish(fig, ax, "training variant", "perplexity / full-cache perplexity", title)
 
 
+@figure("layers", "runs", applies=_variant_trend, auto=_trend_args, per_variant=True)
 def sink_trend(layers: pd.DataFrame, runs: pd.DataFrame, axes: dict, arms: list | None = None) -> Figure:
     """The sink against a scale knob, one column per knob: `axes` maps an x label to {variant: x}
     (e.g. {"training steps": {"steps200": 200, "base": 400, "steps800": 800}}). Top: attention on the
@@ -683,7 +863,7 @@ def sink_trend(layers: pd.DataFrame, runs: pd.DataFrame, axes: dict, arms: list 
     ppl = original.groupby(["variant", "strategy"])["ppl"].mean()
     full = reference(original).groupby("variant")["ppl"].mean()
     arms = arms or P.ordered(evicting(original)["strategy"])
-    fig, grid = plt.subplots(2, len(axes), figsize=(4.2 * len(axes), 6.4), squeeze=False, sharey="row")
+    fig, grid = _subplots(2, len(axes), figsize=(4.2 * len(axes), 6.4), squeeze=False, sharey="row")
     for col, (xlabel, points) in enumerate(axes.items()):
         pts = sorted((x, v) for v, x in points.items() if v in mass)
         xs = [x for x, _ in pts]
@@ -742,129 +922,44 @@ def trend_axes(results: pd.DataFrame, min_points: int = 3) -> dict[str, dict[str
     return {k: v for k, v in axes.items() if len(v) >= min_points}
 
 
-# ------------------------------------------------------------------------------------ the registry
-# One registry for the sweep report (every figure whose `applies` holds, with `auto` arguments) and the
-# paper figures (experiments/<name>/figures.yaml names figures and their arguments). A figure reads the
-# aggregated tables (evictlab/results.py: TABLES, plus "runs" = wide(results)).
-
-Tables = dict[str, pd.DataFrame]
-
-
-@dataclass(frozen=True)
-class FigureSpec:
-    draw: Callable[..., Figure]  # (tables, **args) -> Figure
-    applies: Callable[[Tables], bool]  # does a sweep's tables support it
-    auto: Callable[[Tables], dict] = lambda t: {}  # its arguments when the report draws it
-    per_variant: bool = False  # compares training variants (else it shows one model: the first variant)
-
-
-def _mode(t: Tables) -> str:
-    modes = set(t["streams"]["position_mode"])
-    return "original" if "original" in modes else sorted(modes)[0]
-
-
-def _many_variants(t: Tables) -> bool:
-    return "variant" in t["streams"] and t["streams"]["variant"].nunique() > 1
-
-
-def _has(table: str, column: str | None = None, metric: str | None = None) -> Callable[[Tables], bool]:
-    def check(t: Tables) -> bool:
-        frame = t.get(table, pd.DataFrame())
-        if frame.empty or (column is not None and column not in frame):
-            return False
-        return metric is None or bool((frame["metric"] == metric).any())
-
-    return check
+def overlapping_tick_labels(fig: Figure) -> list[tuple[str, str]]:
+    """Pairs of tick labels of one axis that overlap when the figure renders (only the labels drawn: in
+    view, non-empty). Rotated labels overlap when their anchors are closer across the text's direction
+    than the text is high."""
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    pairs = []
+    for ax in fig.axes:
+        for axis in (ax.xaxis, ax.yaxis):
+            low, high = sorted(axis.get_view_interval())
+            shown = [
+                label
+                for locs, labels in (
+                    (axis.get_majorticklocs(), axis.get_majorticklabels()),
+                    (axis.get_minorticklocs(), axis.get_minorticklabels()),
+                )
+                for loc, label in zip(locs, labels, strict=False)
+                if low <= loc <= high and label.get_visible() and label.get_text()
+            ]
+            for i, a in enumerate(shown):
+                for b in shown[i + 1 :]:
+                    if _labels_overlap(a, b, renderer):
+                        pairs.append((a.get_text(), b.get_text()))
+    return pairs
 
 
-def _middle_budget(t: Tables) -> dict:
-    budgets = sorted(set(evicting(t["curves"])["budget"]))
-    return {"budget": budgets[len(budgets) // 2], "mode": _mode(t)}
+def _labels_overlap(a, b, renderer) -> bool:
+    box_a, box_b = a.get_window_extent(renderer), b.get_window_extent(renderer)
+    angle = np.deg2rad(a.get_rotation() % 180)
+    if np.isclose(np.sin(angle), 0) or np.isclose(np.cos(angle), 0):  # axis-aligned: the boxes are the text
+        return box_a.shrunk(0.98, 0.98).overlaps(box_b.shrunk(0.98, 0.98))
+    (xa, ya), (xb, yb) = box_a.get_points().mean(0), box_b.get_points().mean(0)
+    across = abs((xb - xa) * np.sin(angle) - (yb - ya) * np.cos(angle))  # distance across the text direction
+    return across < 0.9 * a.get_fontsize() * fig_dpi(a) / 72
 
 
-def _mode_arg(t: Tables) -> dict:
-    return {"mode": _mode(t)}
-
-
-def _trend_args(t: Tables) -> dict:
-    return {"axes": trend_axes(t["results"])}
-
-
-def _on(table: str, fn: Callable[..., Figure]) -> Callable[..., Figure]:
-    """A figure function of one table, as a registry entry's draw(tables, **args)."""
-    return lambda t, **args: fn(t[table], **args)
-
-
-def _kl(t: Tables) -> bool:
-    return "kl" in t["streams"]
-
-
-def _paired(t: Tables) -> bool:
-    return "nll_full" in t["streams"] and not evicting(t["streams"]).empty
-
-
-def _two_modes(t: Tables) -> bool:
-    return {"original", "cache"} <= set(t["streams"]["position_mode"])
-
-
-def _evicting_budgets(t: Tables) -> bool:
-    return not evicting(t["curves"]).empty
-
-
-def _sink_counts(t: Tables) -> bool:
-    """A sweep over the number of initial positions kept, of one evicting policy (StreamingLLM's sinks, or
-    the recompute window's) and nothing else evicting."""
-    column = "cfg.strategy.params.n_sink"
-    if "nll_full" not in t["streams"] or column not in t.get("results", pd.DataFrame()):
-        return False
-    policies = set(evicting(t["streams"])["strategy"])
-    return len(policies) == 1 and t["results"][column].nunique() > 1
-
-
-def _arms(t: Tables) -> bool:
-    """A sweep over named arms (conf/arm/), compared with the full cache."""
-    results = t.get("results", pd.DataFrame())
-    if "nll_full" not in t["streams"] or "cfg.arm" not in results:
-        return False
-    return bool((results["cfg.arm"].fillna("none") != "none").any())
-
-
-def _variant_sink(t: Tables) -> bool:
-    return _many_variants(t) and bool(first_position_mass(t["layers"]))
-
-
-def _variant_eviction(t: Tables) -> bool:
-    return _many_variants(t) and "nll_full" in t["streams"] and not evicting(t["streams"]).empty
-
-
-def _variant_trend(t: Tables) -> bool:
-    return _variant_sink(t) and bool(trend_axes(t["results"]))
-
-
-FIGURES: dict[str, FigureSpec] = {
-    "ppl_vs_budget": FigureSpec(_on("streams", ppl_vs_budget), _has("streams"), _mode_arg),
-    "cost_vs_budget": FigureSpec(_on("streams", cost_vs_budget), _paired, _mode_arg),
-    "kl_vs_budget": FigureSpec(_on("streams", kl_vs_budget), _kl, _mode_arg),
-    "agreement_vs_budget": FigureSpec(_on("streams", agreement_vs_budget), _kl, _mode_arg),
-    "nll_vs_position": FigureSpec(_on("curves", nll_vs_position), _evicting_budgets, _middle_budget),
-    "quality_vs_memory": FigureSpec(_on("runs", quality_vs_memory), _has("runs", "kv_bytes"), _mode_arg),
-    "throughput": FigureSpec(_on("runs", throughput), _has("runs", "token_steps_per_s")),
-    "first4_mass": FigureSpec(_on("layers", first4_mass), _has("layers", metric="first4_mass")),
-    "recall_heatmaps": FigureSpec(_on("recall", recall_heatmaps), _has("recall"), _mode_arg),
-    "attention_heatmap": FigureSpec(_on("attention", attention_heatmap), _has("attention")),
-    "position_modes": FigureSpec(_on("streams", position_modes), _two_modes),
-    "sinks_vs_count": FigureSpec(
-        lambda t, **a: sinks_vs_count(t["streams"], t["results"], **a), _sink_counts
-    ),
-    "ablations": FigureSpec(lambda t, **a: ablations(t["streams"], t["results"], **a), _arms),
-    "sink_by_variant": FigureSpec(_on("layers", sink_by_variant), _variant_sink, per_variant=True),
-    "eviction_by_variant": FigureSpec(
-        _on("streams", eviction_by_variant), _variant_eviction, per_variant=True
-    ),
-    "sink_trend": FigureSpec(
-        lambda t, **a: sink_trend(t["layers"], t["runs"], **a), _variant_trend, _trend_args, per_variant=True
-    ),
-}
+def fig_dpi(artist) -> float:
+    return artist.figure.dpi
 
 
 def one_variant(tables: Tables) -> Tables:

@@ -17,7 +17,6 @@ import sys
 import time
 from pathlib import Path
 
-import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
 import yaml
@@ -32,11 +31,10 @@ from evictlab.store import git_info, outputs_dir, write_atomic
 # a perplexity CI over fewer independent units (seed x stream) than this is flagged (*) in the report
 MIN_UNITS = 8
 # the small GPT's shape fields, which an imported checkpoint (model.name_or_path) replaces with its own
-IMPORTED_SHAPE = (
-    "n_layer", "n_head", "n_kv_head", "n_embd", "mlp_ratio", "mlp_hidden", "pos_emb", "rope_base",
-    "block_size", "norm", "norm_eps", "act", "bias", "qkv_bias", "rotary_dim", "parallel_residual",
-    "init_std", "vocab_size",
-)  # fmt: skip
+IMPORTED_SHAPE = tuple(
+    "n_layer n_head n_kv_head n_embd mlp_ratio mlp_hidden pos_emb rope_base block_size norm norm_eps act "
+    "bias qkv_bias rotary_dim parallel_residual init_std vocab_size".split()
+)
 
 
 def load_tables(folder: Path) -> dict[str, pd.DataFrame]:
@@ -568,8 +566,6 @@ def main(argv: list[str] | None = None) -> int:
         write_report(report, tables, figs, f"evictlab: {group}")
     if not args.no_wandb:
         _log_to_wandb(args.sweep, tables, out, figs)
-    for fig in figs.values():
-        plt.close(fig)
     print(f"{len(figs)} figures -> {out}; report -> {report}")
     return 0
 

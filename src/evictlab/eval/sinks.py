@@ -123,10 +123,10 @@ def cached_sink_metrics(
         except (OSError, ValueError, KeyError):  # absent or damaged: measured (again)
             pass
         scalars, layers = sink_metrics(model, corpus, context, sink_token, split)
+        heads = [None if pd.isna(h) else int(h) for h in layers["head"]]
         rows = [
-            {"layer": int(r.layer), "head": None if pd.isna(r.head) else int(r.head), "metric": r.metric,
-             "value": float(r.value)}
-            for r in layers.itertuples()
-        ]  # fmt: skip
+            {"layer": int(r.layer), "head": h, "metric": r.metric, "value": float(r.value)}
+            for r, h in zip(layers.itertuples(), heads, strict=True)
+        ]
         write_json(path, {"scalars": scalars, "layers": rows})
         return scalars, layers
