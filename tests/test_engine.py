@@ -14,9 +14,10 @@ from evictlab.data import load_corpus
 from evictlab.data.streams import eval_streams
 from evictlab.errors import ConfigError
 from evictlab.eval import StreamSpec, full_reference, stream
-from evictlab.eval.caches import BandCache
+from evictlab.eval.caches import BandCache, LayerCache, SlotCache
 from evictlab.eval.engine import BLOCK_STEPS, plan
 from evictlab.eval.evaluate import evaluate, kv_bytes
+from evictlab.eval.naive import _NaiveCache
 from evictlab.models.gpt import GPT, GPTConfig
 from tests.conftest import make_cfg
 
@@ -595,3 +596,41 @@ def test_a_sampled_recompute_run_scores_the_sampled_steps_as_the_whole_run_does(
     assert np.array_equal(np.isnan(nll), np.isnan(full)) and res.summary["scored_tokens"] == 2 * 9
     assert res.summary["ppl"] == pytest.approx(math.exp(np.nanmean(nll)))
     assert res.summary["full_reference_len"] == tokens.shape[1] - 1
+
+
+@pytest.mark.parametrize("layout", ["band", "slot", "naive"])
+def test_every_cache_layout_is_one_layer_cache_type_and_holds_what_its_evictions_leave(layout):
+    """Each layout through the same LayerCache calls: entries stored one step at a time, and evicted as a
+    sink of 1 plus a window of 2 (BandCache by the next query's position, the others by a victim index):
+    after every step each holds positions {0, t-1, t}, with the keys stored at them."""
+    torch.manual_seed(0)
+    Hkv, D, steps = 2, 4, 7
+    cache = {
+        "band": lambda: BandCache(n_sink=1, lookback=2),
+        "slot": lambda: SlotCache(1, Hkv, 4, D, like=torch.zeros(1), state={}),
+        "naive": _NaiveCache,
+    }[layout]()
+    assert isinstance(cache, LayerCache)
+    keys = torch.randn(steps, 1, Hkv, 1, D)
+    for t in range(steps):
+        pos = torch.tensor([t]) if layout == "band" else t
+        K, V, P = cache.update(keys[t], keys[t] + 1, pos)
+        P = P.expand(1, Hkv, -1) if P.dim() == 1 else P
+        if layout == "band":
+            cache.evict(t + 1)
+            K, V, P = cache.k, cache.v, cache.pos.expand(1, Hkv, -1)
+        else:
+            held = (P >= 0).sum(-1)
+            if int(held.max()) > 3:  # the oldest position after the sink goes
+                victim = P.masked_fill(P < 1, steps).argmin(-1)
+                cache.evict(victim)
+            else:
+                cache.evict(None)
+            K, V, P = cache.k, cache.v, cache.pos
+        want = sorted({0, max(t - 1, 0), t})
+        for h in range(Hkv):
+            rows = [i for i in range(P.shape[-1]) if P[0, h, i] >= 0]
+            assert sorted(int(P[0, h, i]) for i in rows) == want
+            for i in rows:
+                assert torch.equal(K[0, h, i], keys[int(P[0, h, i]), 0, h, 0])
+                assert torch.equal(V[0, h, i], keys[int(P[0, h, i]), 0, h, 0] + 1)

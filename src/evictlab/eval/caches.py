@@ -1,17 +1,19 @@
-"""Per-layer KV caches: one interface over the layouts the engine's paths hold (as transformers'
-`CacheLayerMixin` gives one to its dynamic, sliding-window and static layers).
+"""Per-layer KV caches: one type, `LayerCache`, over the layouts the engine's paths hold (as transformers'
+`CacheLayerMixin` is one over its dynamic, sliding-window and static layers).
 
-    K, V, P = cache.update(new entries ...)   # store them -> everything the queries attend to
-    cache.evict(...)                          # back to what this layout keeps between steps
+    K, V, P = cache.update(k, v, pos, state)  # store entries at pos -> everything the queries attend to
+    cache.evict(target)                       # back to what this layout keeps between steps
 
 * `SlotCache` (token loop, blocked path): budget + 1 preallocated slots per document and KV head, each
   with the policy's state. `update` writes one entry into the slot the last eviction freed (`scatter_`,
-  nothing copied); `evict` empties the policy's victim per document and head, or nothing.
+  nothing copied); `evict` empties the policy's victim slot per document and head, or nothing (None).
 * `BandCache` (parallel path: static windows, the full cache): the sinks and the last `lookback` positions,
   one contiguous run for all documents and heads. `update` appends a block of entries; `evict` drops
-  whatever no later block reaches.
+  whatever queries from the target position on cannot reach.
 * `_NaiveCache` (eval/naive.py, the naive loop): growing tensors at batch 1. `update` is a
   `torch.cat`; `evict` deletes the victim's row.
+
+A test runs every layout through the same sequence of `update` and `evict` calls (tests/test_engine.py).
 
 The naive cache stays beside its loop, written the simple way on purpose: it is what the other two are
 tested against.
@@ -19,9 +21,30 @@ tested against.
 
 from __future__ import annotations
 
+from typing import Protocol, runtime_checkable
+
 import torch
 
 N_FIRST = 4  # the first positions whose eviction step a cache records (and whose attention full.py measures)
+
+
+@runtime_checkable
+class LayerCache(Protocol):
+    """One layer's keys and values, whatever the layout.
+
+    `update(k, v, pos, state)`: store entries k, v [B, Hkv, m, D] at `pos` (the step of one entry, an int or
+    one per document; or a block's positions [m]), each with the policy's initial per-entry state (`state`,
+    values [B, Hkv, m, ...]; None: zeros, or nothing where the layout keeps none) -> everything queries now
+    attend to: K, V [B, Hkv, M, D] and their positions (-1: an empty slot).
+    `evict(target)`: back to what the layout keeps between steps; `target` says what goes: a victim index
+    [B, Hkv] per document and head (None: nothing), or, for a position-static window, the first query
+    position still to come (what no later query reaches goes)."""
+
+    def update(
+        self, k: torch.Tensor, v: torch.Tensor, pos, state: dict[str, torch.Tensor] | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
+
+    def evict(self, target) -> None: ...
 
 
 def last_attended(windows: list[tuple[int, int | None]], n: int) -> torch.Tensor:
@@ -57,20 +80,27 @@ class BandCache:
         self.last_raw = None  # the raw key of the last position seen (for smeared keys)
 
     def update(
-        self, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor
+        self,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        pos: torch.Tensor,
+        state: dict[str, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Store a block's entries k, v [B, Hkv, m, D] at positions pos [m] after the held ones -> all of
-        them: K, V [B, Hkv, M, D] and their positions [M] (ascending)."""
+        them: K, V [B, Hkv, M, D] and their positions [M] (ascending). A static window scores nothing, so it
+        keeps no policy state: `state` must be empty."""
+        if state:
+            raise ValueError("a BandCache keeps no policy state")
         if self.k is not None:
             k, v, pos = torch.cat([self.k, k], 2), torch.cat([self.v, v], 2), torch.cat([self.pos, pos])
         self.k, self.v, self.pos = k, v, pos
         return k, v, pos
 
-    def evict(self, next_start: int) -> None:
-        """Keep only what queries from position next_start on can reach."""
+    def evict(self, target: int) -> None:
+        """Keep only what queries from position `target` on can reach."""
         if self.lookback is None:
             return
-        reach = (self.pos < self.n_sink) | (self.pos >= next_start - self.lookback)
+        reach = (self.pos < self.n_sink) | (self.pos >= target - self.lookback)
         self.k, self.v, self.pos = self.k[:, :, reach], self.v[:, :, reach], self.pos[reach]
 
     def visible(self, qpos: torch.Tensor, kpos: torch.Tensor) -> torch.Tensor:
@@ -137,11 +167,16 @@ class SlotCache:
         self.rank = torch.zeros_like(self.pos)
 
     def update(
-        self, k: torch.Tensor, v: torch.Tensor, t: int | torch.Tensor, init: dict[str, torch.Tensor]
+        self,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        pos: int | torch.Tensor,
+        state: dict[str, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Store k, v [B, Hkv, 1, D] of position t in the free slot (that slot's state starts at `init`,
-        values [B, Hkv, 1, ...], or zero) -> the held entries as views over the slots written so far:
-        K, V [B, Hkv, U, D] and pos [B, Hkv, U] (-1 where a slot is empty)."""
+        """Store k, v [B, Hkv, 1, D] of step `pos` (an int, or [B, 1, 1] one per row) in the free slot (that
+        slot's state starts at `state`'s values [B, Hkv, 1, ...], or zero) -> the held entries as views over
+        the slots written so far: K, V [B, Hkv, U, D] and pos [B, Hkv, U] (-1 where a slot is empty)."""
+        t, init = pos, state or {}
         B, Hkv, _, D = k.shape
         slot = self.free[:, :, None]
         self.k.scatter_(2, slot[..., None].expand(B, Hkv, 1, D), k)
@@ -164,9 +199,10 @@ class SlotCache:
     def held_state(self) -> dict[str, torch.Tensor]:
         return {name: st[:, :, : self.used] for name, st in self.state.items()}
 
-    def evict(self, victim: torch.Tensor | None) -> None:
-        """Empty slot victim [B, Hkv] (the next entry goes there), or with None evict nothing this step (the
+    def evict(self, target: torch.Tensor | None) -> None:
+        """Empty slot `target` [B, Hkv] (the next entry goes there), or with None evict nothing this step (the
         next entry goes to the next never-used slot)."""
+        victim = target
         if victim is None:
             self.free.fill_(self.count)
             return

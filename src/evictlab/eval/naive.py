@@ -26,18 +26,26 @@ class _NaiveCache:
         self.last_raw = None  # the previous token's raw key (for smeared keys)
         self.state: dict[str, torch.Tensor] = {}
         self.dropped: dict[tuple[int, int], int] = {}  # (head, position < N_FIRST) -> the step evicting it
+        self.t = 0  # the step of the last update
 
-    def update(self, k, v, t: int, fresh: dict[str, torch.Tensor]) -> None:
-        p = torch.full((1, k.shape[1], 1), t)
+    def update(self, k, v, pos: int, state: dict[str, torch.Tensor] | None = None):
+        """Append k, v [1, Hkv, 1, D] of step `pos` with the policy's state for it -> all held entries."""
+        self.t, fresh = pos, state or {}
+        p = torch.full((1, k.shape[1], 1), pos)
         if self.k is None:
             self.k, self.v, self.pos, self.state = k, v, p, fresh
-            return
+            return self.k, self.v, self.pos
         self.k, self.v = torch.cat([self.k, k], dim=2), torch.cat([self.v, v], dim=2)
         self.pos = torch.cat([self.pos, p], dim=2)
         self.state = {name: torch.cat([self.state[name], fresh[name]], dim=2) for name in fresh}
+        return self.k, self.v, self.pos
 
-    def evict(self, victim: torch.Tensor, t: int) -> None:
-        """Delete the entry at index victim [1, Hkv] of each head at step t (rows shift down)."""
+    def evict(self, target: torch.Tensor | None) -> None:
+        """Delete the entry at index target [1, Hkv] of each head, at the step of the last update (rows
+        shift down); None: nothing."""
+        victim, t = target, self.t
+        if victim is None:
+            return
         _, Hkv, m, D = self.k.shape
         for h in range(Hkv):
             p = int(self.pos[0, h, victim[0, h]])
@@ -100,7 +108,7 @@ class _NaiveStep:
         ctx = StepContext(t, l, self.budgets[l], c.pos, c.k, row, c.state, torch.tensor([self.doc]), future)
         self.policy.observe(ctx)
         if c.k.shape[2] > self.budgets[l]:
-            c.evict(choose_victim(self.policy.scores(ctx), c.pos), t)
+            c.evict(choose_victim(self.policy.scores(ctx), c.pos))
 
 
 @torch.no_grad()
