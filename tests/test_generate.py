@@ -47,11 +47,20 @@ def test_recompute_window_generation_equals_a_fresh_forward_per_token(model):
     torch.testing.assert_close(got, naive_greedy(model, prompt, 8, window=7))
 
 
-@pytest.mark.parametrize("name", [n for n in sorted(POLICIES) if n != "oracle"])
+@pytest.mark.parametrize("name", [n for n in sorted(POLICIES) if POLICIES[n].can_generate()])
 def test_budget_covering_the_sequence_generates_like_the_full_cache(model, name):
     prompt = torch.randint(0, 30, (2, 10))
     full = generate(model, prompt, make_policy("full"), 8, 6)
     torch.testing.assert_close(generate(model, prompt, make_policy(name), 20, 6), full)
+
+
+def test_policies_that_cannot_generate_say_why(model):
+    prompt = torch.randint(0, 30, (2, 10))
+    assert {n for n in POLICIES if not POLICIES[n].can_generate()} == {"oracle", "bos_ablation"}
+    with pytest.raises(ConfigError, match="bos_ablation' cannot generate: it ablates the full cache"):
+        generate(model, prompt, make_policy("bos_ablation"), 20, 6)
+    with pytest.raises(ConfigError, match="oracle' cannot generate: it needs the full-cache run's future"):
+        generate(model, prompt, make_policy("oracle"), 20, 6)
 
 
 def test_divergence_summary(model):

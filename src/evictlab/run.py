@@ -206,7 +206,7 @@ class RunStages:
                 rec = recall_accuracy(model, recall, policy, budget, spec, res, self.cfg.eval.recall_greedy)
                 metrics |= self.recall_metrics(rec)
             generations = None
-            if self.cfg.eval.generate_tokens and not policy.needs_future:  # a non-causal one cannot generate
+            if self.cfg.eval.generate_tokens and policy.can_generate():
                 generations, extra = self.generation(model, tokens, corpus)
                 metrics |= extra
         with clock("tracking"):

@@ -24,6 +24,7 @@ mask was measured no faster than part 3 at make bench's workload, 2026-12-01, an
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 
 import numpy as np
 import torch
@@ -43,6 +44,14 @@ class BlockedLoop:
         self.loop = loop
         self.exact_keys = type(loop.policy).entry_state is not Policy.entry_state
         self.pos: torch.Tensor | None = None  # the block's positions [m]
+
+    def blocks(self, start: int, stop: int, block: int, device) -> Iterator[tuple[int, int, torch.Tensor]]:
+        """(start, end, positions) of each block of steps start .. stop-1, `block` at a time; while a block
+        runs, this attention (and its `fill`) holds its positions."""
+        for s in range(start, stop, block):
+            e = min(stop, s + block)
+            self.pos = torch.arange(s, e, device=device)
+            yield s, e, self.pos
 
     def __call__(self, l: int, a: CausalSelfAttention, h: torch.Tensor) -> torch.Tensor:
         q, k, v, init = self.project(l, a, h, self.pos)
@@ -93,7 +102,7 @@ class BlockedLoop:
         Hkv = K.shape[1]
         w = causal_weights(q, K, s)[0]  # [B, H, m, e], as the full-cache reference computes them
         y = (w.view(B, Hkv, loop.groups * m, e) @ V).view(B, H, m, D).transpose(1, 2).reshape(B, m, H * D)
-        loop.held[s:e, l] = np.arange(s + 1, e + 1)
+        loop.record_held(s, e, np.arange(s + 1, e + 1), l)
         if loop.lost is not None and s < loop.lost.covered:
             c = min(e, loop.lost.covered) - s
             held = cache.pos[:, :, None, :e].expand(B, Hkv, c, e)
@@ -146,15 +155,13 @@ def stream_blocked(
     loop = TokenLoop(model, policy, budgets, mode, B, n, doc, ref)
     attend = BlockedLoop(loop)
     filled = min(n, min(budgets))  # steps 0 .. filled-1: no layer evicts yet
-    for s in range(0, filled, block):
-        attend.pos = torch.arange(s, min(filled, s + block), device=tokens.device)
-        rec.add(s, model.forward_with(inp[:, s : s + len(attend.pos)], attend.pos, attend.fill))
+    for s, e, pos in attend.blocks(0, filled, block, tokens.device):
+        rec.add(s, model.forward_with(inp[:, s:e], pos, attend.fill))
     if steady_start(loop, n) == filled:  # all layers at once, a block apart
         Wavefront(model, loop, attend.project, rec, inp, filled).run(wave_steps(block), block)
         filled = n
-    for s in range(filled, n, block):  # layer by layer, step by step
-        attend.pos = torch.arange(s, min(n, s + block), device=tokens.device)
-        rec.add(s, model.forward_with(inp[:, s : s + len(attend.pos)], attend.pos, attend))
+    for s, e, pos in attend.blocks(filled, n, block, tokens.device):  # layer by layer, step by step
+        rec.add(s, model.forward_with(inp[:, s:e], pos, attend))
     out = rec.out
     if loop.lost is not None:
         out["lost"] = loop.lost.values

@@ -87,6 +87,8 @@ class Plan:
     budgets: tuple[int, ...]  # KV entries each layer keeps between steps
     block: int  # steps per block (queries per block on the parallel path); 1 on the token loop
     compiled: bool = False  # the loop's steady step through torch.compile
+    # per layer (n_sink, lookback) of a position-static window (parallel and recompute paths), else None
+    windows: tuple[tuple[int, int | None], ...] | None = None
 
 
 def plan(policy: Policy, budget: int, spec: StreamSpec, n_layer: int, T: int, width: int = 0) -> Plan:
@@ -96,8 +98,8 @@ def plan(policy: Policy, budget: int, spec: StreamSpec, n_layer: int, T: int, wi
     if policy.recompute:
         if len(set(budgets)) != 1:
             raise ConfigError(f"{policy.name} re-encodes one window for all layers: use allocation=uniform")
-        return Plan("recompute", budgets, spec.block)
-    windows = [policy.static_window(b) for b in budgets]
+        return Plan("recompute", budgets, spec.block, windows=tuple(policy.static_window(b) for b in budgets))
+    windows = tuple(policy.static_window(b) for b in budgets)
     if policy.ablation:
         policy.ablated(n_layer)  # a layer the model has
         if spec.force_loop or spec.compile:
@@ -108,7 +110,7 @@ def plan(policy: Policy, budget: int, spec: StreamSpec, n_layer: int, T: int, wi
         bounded = all(lookback is not None for _, lookback in windows)
         # the full cache's blocks grow with the stream: each block re-reads every earlier key
         block = window_block(width) if bounded else max(BLOCK_STEPS, T // 16)
-        return Plan("parallel", budgets, min(spec.block, block))
+        return Plan("parallel", budgets, min(spec.block, block), windows=windows)
     if not (spec.force_loop or spec.compile):
         return Plan("blocked", budgets, min(spec.block, BLOCK_STEPS))
     return Plan("loop", budgets, 1, compiled=spec.compile)
@@ -119,13 +121,13 @@ def plan(policy: Policy, budget: int, spec: StreamSpec, n_layer: int, T: int, wi
 Runner = Callable[..., StreamOutput]
 
 
-def _static_output(per_token: dict, tokens: torch.Tensor, p: Plan, windows) -> StreamOutput:
+def _static_output(per_token: dict, tokens: torch.Tensor, p: Plan) -> StreamOutput:
     """A static path's output: layer l holds min(step, budget_l) entries after each step, and its
-    window (n_sink, lookback) decides which steps attend to the first positions."""
+    window (n_sink, lookback: Plan.windows) decides which steps attend to the first positions."""
     B, T = tokens.shape
     steps = torch.arange(1, T, device=tokens.device)
     occupancy = torch.stack([steps.clamp(max=b) for b in p.budgets], dim=-1)
-    last = last_attended(windows, T - 1).to(tokens.device)[None, :, None].expand(B, -1, 1, -1)
+    last = last_attended(list(p.windows), T - 1).to(tokens.device)[None, :, None].expand(B, -1, 1, -1)
     return StreamOutput(
         **per_token, occupancy=occupancy, path=p.path, budgets=list(p.budgets), last_attended=last
     )
@@ -148,11 +150,10 @@ def _cache_output(per_token: dict, loop, p: Plan, **extra) -> StreamOutput:
 def run_parallel(
     model, tokens, policy, p: Plan, reference, doc, spec: StreamSpec, tick: Tick | None = None
 ) -> StreamOutput:
-    windows = [policy.static_window(b) for b in p.budgets]
     cache_mode = spec.position_mode is PositionMode.cache
-    ablate = (policy.part, policy.ablated(len(windows))) if policy.ablation else None
-    per_token = stream_static(model, tokens, windows, reference, p.block, cache_mode, ablate, tick)
-    return _static_output(per_token, tokens, p, windows)
+    ablate = (policy.part, policy.ablated(len(p.windows))) if policy.ablation else None
+    per_token = stream_static(model, tokens, list(p.windows), reference, p.block, cache_mode, ablate, tick)
+    return _static_output(per_token, tokens, p)
 
 
 def run_recompute(
@@ -162,7 +163,7 @@ def run_recompute(
     per_token = stream_recompute(
         model, tokens, p.budgets[0] + 1, reference, p.block, n_sink=policy.n_sink, tick=tick, steps=steps
     )
-    return _static_output(per_token, tokens, p, [policy.static_window(b) for b in p.budgets])
+    return _static_output(per_token, tokens, p)
 
 
 def run_blocked(
@@ -262,16 +263,22 @@ def generate(
     """Greedy continuation [B, n_new] of prompt [B, P] with the cache evicted to `budget` every step
     (the prompt is streamed token by token under the policy first, exactly as in `stream`)."""
     check_positions(model.cfg, spec.position_mode)
-    if policy.needs_future:
-        raise ConfigError(f"strategy {policy.name!r} cannot generate: it needs the full-cache run's future")
+    if not policy.can_generate():
+        why = "it needs the full-cache run's future" if policy.needs_future else "it ablates the full cache"
+        raise ConfigError(f"strategy {policy.name!r} cannot generate: {why}")
     B, P = prompt.shape
     if P < 1 or n_new < 1:
         raise ConfigError(f"generation needs a prompt and n_new >= 1 (got P={P}, n_new={n_new})")
     tokens = torch.cat([prompt, prompt.new_zeros(B, n_new)], dim=1)
-    budgets = budgets_for(model.cfg.n_layer, policy, budget, spec.allocation, tokens.shape[1] - 1)
+    # generation decodes token by token: the plan of the token loop (or of the recompute baseline)
+    p = plan(
+        policy, budget, replace(spec, force_loop=True, compile=False), model.cfg.n_layer, tokens.shape[1]
+    )
     model.eval()
-    if policy.recompute:
-        return _generate_recompute(model, prompt, budgets[0] + 1, n_new, policy.n_sink)
+    if p.path == "recompute":
+        return _generate_recompute(model, prompt, p.budgets[0] + 1, n_new, policy.n_sink)
     doc = doc if doc is not None else torch.arange(B, device=prompt.device)
-    _, _, filled = stream_loop(model, tokens, policy, budgets, spec.position_mode, None, doc, generate_from=P)
+    _, _, filled = stream_loop(
+        model, tokens, policy, list(p.budgets), spec.position_mode, None, doc, generate_from=P
+    )
     return filled[:, P:]

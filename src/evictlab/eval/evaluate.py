@@ -358,6 +358,6 @@ def recall_accuracy(
             "ppl": np.exp(nll.mean(axis=1)),
         }
     )
-    if greedy and not policy.needs_future:
+    if greedy and policy.can_generate():
         frame["exact_greedy"] = _greedy_exact(model, batch, policy, budget, spec)
     return frame

@@ -90,6 +90,17 @@ class TokenLoop:
         self.policy_seconds = 0.0
         self.compile_seconds = 0.0  # the first compiled step: tracing and code generation
 
+    def record_held(self, start: int, end: int | None, count, layer: int | slice = slice(None)) -> None:
+        """Entries held after steps start .. end-1 (in `layer`, default every layer), for the steps a path
+        runs outside `step` (a block before any eviction; the steady steps, which hold the budgets)."""
+        self.held[start:end, layer] = count
+
+    def share_caches(self, stacked: SlotCache) -> None:
+        """Each layer's cache becomes its rows of `stacked` (all layers' caches along the batch dim, one copy
+        in memory: eval/wavefront.py), so what the wavefront writes is what `kept` and `dropped` read."""
+        B = self.doc.shape[0]
+        self.caches[:] = [stacked.rows(l * B, (l + 1) * B) for l in range(len(self.caches))]
+
     @property
     def occupancy(self) -> torch.Tensor:
         """[n, L] entries each layer held after each step."""
@@ -279,7 +290,7 @@ def stream_loop(
     for t in range(n):
         if t == steady_from:
             steady = True
-            loop.held[t:] = budgets
+            loop.record_held(t, None, budgets)
             step = torch.compile(loop.decode_one_token, dynamic=False) if compile else step
         first_compiled = compile and t == steady_from
         start = time.perf_counter() if first_compiled else 0.0

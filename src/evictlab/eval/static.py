@@ -13,6 +13,8 @@ held.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 import torch.nn.functional as F
 
@@ -41,6 +43,14 @@ class _BandAttention:
     ):
         self.caches, self.rope, self.pos, self.next_start, self.cache_mode = caches, rope, None, 0, cache_mode
         self.ablate = ablate  # (part, per-layer flags): position 0 ablated for later queries (bos_ablation)
+
+    def blocks(self, n: int, block: int, device) -> Iterator[tuple[int, int, torch.Tensor]]:
+        """(start, end, positions) of each block of queries of a stream of n, `block` at a time; while a
+        block runs, this attention holds its positions (and then evicts what no later query reaches)."""
+        for s in range(0, n, block):
+            e = min(n, s + block)
+            self.pos, self.next_start = torch.arange(s, e, device=device), e
+            yield s, e, self.pos
 
     def __call__(self, l: int, a: CausalSelfAttention, h: torch.Tensor) -> torch.Tensor:
         cache = self.caches[l]
@@ -105,10 +115,8 @@ def stream_static(
     rec = Recorder(tgt, windows, ref, tick)
     caches, rope = [BandCache(*w) for w in windows], Rope.for_model(model, tokens.device)
     attend = _BandAttention(caches, rope, cache_mode, ablate)
-    for s in range(0, n, block):
-        e = min(n, s + block)
-        attend.pos, attend.next_start = torch.arange(s, e, device=tokens.device), e
-        rec.add(s, model.forward_with(inp[:, s:e], attend.pos, attend))
+    for s, e, pos in attend.blocks(n, block, tokens.device):
+        rec.add(s, model.forward_with(inp[:, s:e], pos, attend))
     return rec.out
 
 
@@ -194,10 +202,8 @@ def full_logp(model: GPT, tokens: torch.Tensor, block: int) -> torch.Tensor:
     caches = [BandCache(0, None) for _ in range(model.cfg.n_layer)]
     attend = _BandAttention(caches, Rope.for_model(model, tokens.device))
     out = None  # filled block by block: the peak is one [B, n, V] array, not the blocks plus their join
-    for s in range(0, n, block):
-        e = min(n, s + block)
-        attend.pos, attend.next_start = torch.arange(s, e, device=tokens.device), e
-        logp = F.log_softmax(model.forward_with(inp[:, s:e], attend.pos, attend), dim=-1)
+    for s, e, pos in attend.blocks(n, block, tokens.device):
+        logp = F.log_softmax(model.forward_with(inp[:, s:e], pos, attend), dim=-1)
         if out is None:
             out = logp.new_empty(logp.shape[0], n, logp.shape[-1])
         out[:, s:e] = logp

@@ -81,12 +81,12 @@ class Wavefront:
             self.cache.rank = ranks(self.cache.pos)
         # each layer's cache becomes its rows of the stacked one (one copy in memory; `project` keeps
         # writing each layer's last raw key into it, and StreamOutput.kept reads each layer's positions)
-        loop.caches[:] = [self.cache.rows(l * B, (l + 1) * B) for l in range(L)]
+        loop.share_caches(self.cache)
         device = inp.device
         self.layer = torch.arange(L, device=device).repeat_interleave(B).view(-1, 1, 1)  # [L*B, 1, 1]
         self.doc = loop.doc.repeat(L)  # [L*B]
         self.start = start
-        loop.held[start:] = loop.budgets[0]
+        loop.record_held(start, None, loop.budgets[0])
 
     def run(self, m: int, head_steps: int) -> None:
         """Steps start .. n-1 in blocks of m; the head runs on the last layer's outputs of at least

@@ -68,6 +68,12 @@ class Policy:
     # same slots (lets the engine re-index positions once per layer instead of per document and head).
     position_only: ClassVar[bool] = False
 
+    @classmethod
+    def can_generate(cls) -> bool:
+        """Decodes free-running text: not a non-causal policy (it reads the future) nor an ablation (its
+        intervention exists on the parallel path only, which streams known text)."""
+        return not (cls.needs_future or cls.ablation)
+
     def __post_init__(self) -> None:
         self.check_types()
         self.check_params()
@@ -142,14 +148,6 @@ class Policy:
         None = not position-static (use the token loop)."""
         return None
 
-    def static_keep(self, n: int, budget: int, device: torch.device) -> torch.Tensor | None:
-        """The static window as an [n, n] bool mask (True where query i attends to key j)."""
-        window = self.static_window(budget)
-        if window is None:
-            return None
-        n_sink, lookback = window
-        return recent_keep(n, n if lookback is None else lookback, device, n_sink=n_sink)
-
     # ---- the token loop ------------------------------------------------------------------------------
     def init_state(self, B: int, Hkv: int, S: int, like: torch.Tensor) -> dict[str, torch.Tensor]:
         """Per-slot state tensors [B, Hkv, S, ...] (device and float dtype taken from `like`)."""
@@ -166,13 +164,6 @@ class Policy:
     def scores(self, ctx: StepContext) -> torch.Tensor:
         """[B, Hkv, S]: the valid slot with the lowest score is evicted; inf protects a slot."""
         raise NotImplementedError
-
-
-def recent_keep(n: int, lookback: int, device: torch.device, n_sink: int = 0) -> torch.Tensor:
-    """[n, n] bool static keep mask: query i attends to keys i-lookback .. i and to the first n_sink keys."""
-    i = torch.arange(n, device=device)[:, None]
-    j = torch.arange(n, device=device)[None, :]
-    return (j <= i) & ((j < n_sink) | (j >= i - lookback))
 
 
 def protect(scores: torch.Tensor, ctx: StepContext, n_sink: int = 0, n_recent: int = 0) -> torch.Tensor:
