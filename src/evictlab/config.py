@@ -195,6 +195,11 @@ class BudgetConfig:
 class EvalTask(str, Enum):
     lm = "lm"  # streaming language modelling on the split's text
     recall = "recall"  # pass-key streams (data/recall.py): recall accuracy by needle depth
+    # long-context tasks (data/tasks/, one file each): answers written under the policy, graded
+    niah_multikey = "niah_multikey"
+    niah_multivalue = "niah_multivalue"
+    niah_multiquery = "niah_multiquery"
+    variable_tracking = "variable_tracking"
 
 
 @dataclass
@@ -237,6 +242,9 @@ class EvalConfig:
     # equal stratum (eval/spec.py sampled_steps): every prediction costs a forward over the window, hours
     # on a real model; the sampling adds to each stream's variance, so it enters the CIs. 0: every one
     recompute_sample: int = field(default=0, metadata=neutral(0))
+    # the prompt format of a task (eval.task=niah_multikey ...): plain for the models trained here, chatml
+    # for SmolLM2's chat template (data/tasks/__init__.py)
+    task_template: str = field(default="plain", metadata=neutral("plain"))
 
     def __post_init__(self) -> None:
         if self.n_streams < 1:
@@ -253,6 +261,8 @@ class EvalConfig:
             raise ConfigError(f"eval.recall_per_depth={self.recall_per_depth} must be >= 1")
         if not 0 <= self.generate_tokens < self.stream_len:
             raise ConfigError(f"eval.generate_tokens={self.generate_tokens} must be in [0, eval.stream_len)")
+        if self.task_template not in ("plain", "chatml"):
+            raise ConfigError(f"eval.task_template={self.task_template!r} must be plain or chatml")
         check_device("eval.device", self.device)
         self.spec()
 

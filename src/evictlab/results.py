@@ -38,6 +38,7 @@ LAYERS = "layers.parquet"  # tidy per-layer / per-head values: layer, head (<NA>
 ATTENTION = "attention.parquet"  # full-cache attention by layer x key position
 RECALL = "recall.parquet"  # eval.task=recall: one row per pass-key stream
 GENERATIONS = "generations.parquet"  # eval.generate_tokens > 0: greedy continuations, policy vs full cache
+TASKS = "tasks.parquet"  # eval.task=<a data/tasks task>: one row per task stream (the answer written, graded)
 
 REQUIRED = (CONFIG, PER_TOKEN, LAYERS)  # a finished run has these; the others when its settings ask
 
@@ -51,7 +52,7 @@ def unreadable(run: Path) -> str | None:
     for name in REQUIRED:
         if not (run / name).is_file():
             return f"{name} is missing"
-    optional = [n for n in (ATTENTION, RECALL, GENERATIONS) if (run / n).exists()]
+    optional = [n for n in (ATTENTION, RECALL, GENERATIONS, TASKS) if (run / n).exists()]
     for name in (n for n in (*REQUIRED, *optional) if n.endswith(".parquet")):
         try:
             pq.read_metadata(run / name)
@@ -66,7 +67,7 @@ def unreadable(run: Path) -> str | None:
 
 
 # ---- tables of an aggregated sweep (written into the sweep folder; committed as experiments/*/snapshot/)
-TABLES = ("results", "streams", "curves", "attention", "layers", "recall")
+TABLES = ("results", "streams", "curves", "attention", "layers", "recall", "tasks")
 FAILURES = "failures.csv"
 FAILURE_COLUMNS = ["run_dir", "status", "error", "strategy", "budget_name", "seed"]
 

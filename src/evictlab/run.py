@@ -37,8 +37,15 @@ from evictlab.config import Config
 from evictlab.data.dataset import Corpus, load_corpus
 from evictlab.data.recall import RecallBatch, recall_streams
 from evictlab.data.streams import eval_streams
+from evictlab.data.tasks import TASKS, TaskBatch, task_streams
 from evictlab.errors import DivergedError
-from evictlab.eval.evaluate import EvalResult, evaluate, greedy_divergence, recall_accuracy
+from evictlab.eval.evaluate import (
+    EvalResult,
+    evaluate,
+    greedy_divergence,
+    recall_accuracy,
+    task_accuracy,
+)
 from evictlab.eval.shared import SharedReferences
 from evictlab.eval.sinks import PRETRAINED_CONTEXT, cached_sink_metrics
 from evictlab.eval.spec import check_positions
@@ -178,7 +185,7 @@ class RunStages:
         with clock("subject"):  # corpus and checkpoint (loaded, or trained once)
             corpus, ck, model = self.subject()
         with clock("streams"):
-            tokens, recall, documents = self.streams(corpus, model)
+            tokens, answers, documents = self.streams(corpus, model)
         self.record(model, documents)
         policy, budget, spec = self.cfg.strategy.build(), self.cfg.resolved_budget, self.cfg.eval.spec()
         checkpoint = f"{ck.path.name}:{ck.meta.get('weights_sha256', '')}"
@@ -202,9 +209,12 @@ class RunStages:
             | {"full_reference_shared": shared.read if shared else 0}
         )
         with clock("tasks"):
-            if recall is not None:
-                rec = recall_accuracy(model, recall, policy, budget, spec, res, self.cfg.eval.recall_greedy)
+            if isinstance(answers, RecallBatch):
+                rec = recall_accuracy(model, answers, policy, budget, spec, res, self.cfg.eval.recall_greedy)
                 metrics |= self.recall_metrics(rec)
+            elif isinstance(answers, TaskBatch):
+                graded = task_accuracy(model, answers, policy, budget, spec, res, corpus.tokenizer.decode)
+                metrics |= self.task_metrics(graded)
             generations = None
             if self.cfg.eval.generate_tokens and policy.can_generate():
                 generations, extra = self.generation(model, tokens, corpus)
@@ -250,10 +260,24 @@ class RunStages:
         checkpoint = f"{ck.path.name}:{ck.meta.get('weights_sha256', '')}"
         return SharedReferences(self.cfg.outputs / "cache" / "references", checkpoint)
 
-    def streams(self, corpus: Corpus, model: GPT) -> tuple[torch.Tensor, RecallBatch | None, list[str]]:
-        """The evaluation token streams [N, T] (and the recall batch they come from, for task=recall), and
-        the documents each one's text comes from."""
+    def streams(
+        self, corpus: Corpus, model: GPT
+    ) -> tuple[torch.Tensor, RecallBatch | TaskBatch | None, list[str]]:
+        """The evaluation token streams [N, T] (and the answer batch they come from, for task=recall and the
+        data/tasks tasks), and the documents each one's text comes from."""
         e, device = self.cfg.eval, next(model.parameters()).device
+        if e.task.value in TASKS:
+            batch = task_streams(
+                corpus,
+                e.task.value,
+                e.n_streams,
+                e.stream_len,
+                self.cfg.model.sink_token,
+                e.task_template,
+                self.cfg.seed,
+                e.split,
+            )
+            return batch.tokens.to(device), batch, batch.documents
         if e.task.value == "recall":
             recall = recall_streams(
                 corpus,
@@ -315,6 +339,21 @@ class RunStages:
             "train_wall_s": ck.meta.get("wall_s"),
             "checkpoint_val_bpb": ck.meta.get("val_bpb"),
         }
+
+    def task_metrics(self, graded: pd.DataFrame) -> dict[str, Any]:
+        """tasks.parquet (one row per task stream) and the run's means: teacher-forced exact match and
+        answer NLL, and where the policy wrote its answers, exact and partial credit."""
+        _write_table(self.out / R.TASKS, graded)
+        metrics = {
+            "task_exact_teacher_forced": float(graded["exact_teacher_forced"].mean()),
+            "task_answer_nll": float(graded["answer_nll"].mean()),
+        }
+        if "exact" in graded:
+            metrics |= {
+                "task_exact": float(graded["exact"].mean()),
+                "task_partial": float(graded["partial"].mean()),
+            }
+        return metrics
 
     def recall_metrics(self, rec: pd.DataFrame) -> dict[str, Any]:
         _write_table(self.out / R.RECALL, rec)

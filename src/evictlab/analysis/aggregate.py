@@ -9,6 +9,7 @@ Writes into the (first) sweep dir, or --out (names and columns: evictlab/results
   layers.parquet     one row per run x layer (x head) x metric: budgets, attention lost, sink mass, ...
   attention.parquet  full-cache runs: mean attention by layer x key position (where the model attends)
   recall.parquet     eval.task=recall runs: one row per run x pass-key stream (depth, exact matches)
+  tasks.parquet      data/tasks runs (eval.task=niah_multikey ...): one row per run x task stream, graded
   failures.csv       every run whose metrics.json is missing or says failed, with its error, and every
                      stale run (written by an older run format: its numbers may mean something else)
 """
@@ -148,7 +149,7 @@ def stream_and_curve_rows(
 def aggregate(sweeps: list[Path], out: Path | None = None) -> dict[str, pd.DataFrame]:
     """Build the tables (and write them when `out` is given)."""
     rows: dict[str, list] = {"results": [], "streams": [], "curves": []}
-    frames: dict[str, list[pd.DataFrame]] = {"attention": [], "layers": [], "recall": []}
+    frames: dict[str, list[pd.DataFrame]] = {"attention": [], "layers": [], "recall": [], "tasks": []}
     failures = []
     for d in run_dirs(sweeps):
         try:
@@ -168,7 +169,12 @@ def aggregate(sweeps: list[Path], out: Path | None = None) -> dict[str, pd.DataF
         streams, curves = stream_and_curve_rows(base, pt, documents)
         rows["streams"] += streams
         rows["curves"] += curves
-        for name, file in (("layers", R.LAYERS), ("recall", R.RECALL), ("attention", R.ATTENTION)):
+        for name, file in (
+            ("layers", R.LAYERS),
+            ("recall", R.RECALL),
+            ("tasks", R.TASKS),
+            ("attention", R.ATTENTION),
+        ):
             if (d / file).exists() and (name != "attention" or not metrics.get("evicts")):  # full cache only
                 frames[name].append(R.current_names(pd.read_parquet(d / file)).assign(**base))
     tables = {name: pd.DataFrame(r) for name, r in rows.items()}

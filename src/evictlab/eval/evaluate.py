@@ -1,5 +1,6 @@
 """Batched evaluation of one policy against the full cache, the per-run summary and per-layer table, and
-the task metrics built on the engine (greedy divergence from the full cache, pass-key recall)."""
+the task metrics built on the engine (greedy divergence from the full cache, pass-key recall, the
+long-context tasks of data/tasks)."""
 
 from __future__ import annotations
 
@@ -317,17 +318,43 @@ def greedy_divergence(
     return {"policy_tokens": p, "full_tokens": f, "first_divergence": first, "agreement": same.mean(1)}
 
 
+def greedy_answers(model, batch, policy: Policy, budget: int, spec: StreamSpec, extra: int = 0) -> list:
+    """Per stream of an answer batch (RecallBatch, TaskBatch): the tokens greedy decoding writes under the
+    policy from the stream's prompt (tokens[:, :answer_start]), answer_len + `extra` of them; streams whose
+    prompts end at one position decode together, in batches (as many tokens as the longest needs: decoding
+    is causal, so a row's first tokens do not depend on how many follow)."""
+    out: list = [None] * len(batch.answer_start)
+    for start in np.unique(batch.answer_start):  # streams whose answers start at one position
+        rows = np.flatnonzero(batch.answer_start == start)
+        for r0 in range(0, len(rows), spec.batch_size):
+            idx = torch.from_numpy(rows[r0 : r0 + spec.batch_size])
+            want = batch.answer_len[idx.numpy()] + extra
+            new = generate(model, batch.tokens[idx, :start], policy, budget, int(want.max()), spec, doc=idx)
+            for i, row, n in zip(idx.tolist(), new, want, strict=True):
+                out[i] = row[:n]
+    return out
+
+
 def _greedy_exact(model, batch, policy: Policy, budget: int, spec: StreamSpec) -> np.ndarray:
     """Per recall stream: does greedy decoding under the policy reproduce the answer exactly?"""
-    exact = np.zeros(len(batch.answer_start), dtype=bool)
-    for start in np.unique(batch.answer_start):  # streams whose answers start at one position
-        for n in np.unique(batch.answer_len[batch.answer_start == start]):
-            rows = np.flatnonzero((batch.answer_start == start) & (batch.answer_len == n))
-            for r0 in range(0, len(rows), spec.batch_size):
-                idx = torch.from_numpy(rows[r0 : r0 + spec.batch_size])
-                out = generate(model, batch.tokens[idx, :start], policy, budget, int(n), spec, doc=idx)
-                exact[idx.numpy()] = (out == batch.tokens[idx, start : start + n]).all(1).numpy()
-    return exact
+    written = greedy_answers(model, batch, policy, budget, spec)
+    return np.array(
+        [
+            bool((w == batch.tokens[i, s : s + len(w)]).all())
+            for i, (w, s) in enumerate(zip(written, batch.answer_start, strict=True))
+        ]
+    )
+
+
+def _answer_columns(batch, result: EvalResult) -> dict[str, list]:
+    """Teacher-forced facts of each stream's answer tokens: accuracy, exact match, mean NLL."""
+    mask = batch.answer.numpy()
+    correct, nll = result.per_token["correct"], result.per_token["nll"]
+    return {
+        "token_accuracy": [correct[i][mask[i]].mean() for i in range(len(mask))],
+        "exact_teacher_forced": [bool(correct[i][mask[i]].all()) for i in range(len(mask))],
+        "answer_nll": [nll[i][mask[i]].mean() for i in range(len(mask))],
+    }
 
 
 def recall_accuracy(
@@ -345,19 +372,51 @@ def recall_accuracy(
     needs the full-cache run's future), or greedy=False, gets no greedy column."""
     if result is None:
         result = evaluate(model, batch.tokens, policy, budget, dataclasses.replace(spec, diagnostics=False))
-    mask = batch.answer.numpy()
-    correct, nll = result.per_token["correct"], result.per_token["nll"]
     frame = pd.DataFrame(
         {
-            "stream": np.arange(len(mask)),
+            "stream": np.arange(len(batch.answer_start)),
             "depth": batch.depth,
             "needle_pos": batch.needle_pos,
-            "token_accuracy": [correct[i][mask[i]].mean() for i in range(len(mask))],
-            "exact_teacher_forced": [bool(correct[i][mask[i]].all()) for i in range(len(mask))],
-            "answer_nll": [nll[i][mask[i]].mean() for i in range(len(mask))],
-            "ppl": np.exp(nll.mean(axis=1)),
+            **_answer_columns(batch, result),
+            "ppl": np.exp(result.per_token["nll"].mean(axis=1)),
         }
     )
     if greedy and policy.can_generate():
         frame["exact_greedy"] = _greedy_exact(model, batch, policy, budget, spec)
+    return frame
+
+
+TASK_SLACK = 8  # tokens decoded past the reference answer's length (an answer may be phrased longer)
+
+
+def task_accuracy(
+    model: GPT,
+    batch,
+    policy: Policy,
+    budget: int,
+    spec: StreamSpec = DEFAULT,
+    result: EvalResult | None = None,
+    decode=None,
+) -> pd.DataFrame:
+    """Per task stream (data/tasks): the answer teacher-forced (token accuracy, exact match, NLL) and, for a
+    policy that can generate, as written: greedy decoding under the policy from the prompt, `decode`d to
+    text and graded by the task (`exact`, `partial`). One row per stream."""
+    if result is None:
+        result = evaluate(model, batch.tokens, policy, budget, dataclasses.replace(spec, diagnostics=False))
+    frame = pd.DataFrame(
+        {
+            "stream": np.arange(len(batch.answer_start)),
+            "task": batch.task.name,
+            "answer_start": batch.answer_start,
+            "first_needle": [p[0] if p else -1 for p in batch.needle_pos],
+            "reference": [p.answer for p in batch.problems],
+            **_answer_columns(batch, result),
+        }
+    )
+    if decode is not None and policy.can_generate():
+        written = greedy_answers(model, batch, policy, budget, spec, TASK_SLACK)
+        frame["written"] = [decode(w.tolist()) for w in written]
+        graded = [batch.task.score(p, t) for p, t in zip(batch.problems, frame["written"], strict=True)]
+        frame["exact"] = [e for e, _ in graded]
+        frame["partial"] = [c for _, c in graded]
     return frame

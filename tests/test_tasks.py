@@ -1,0 +1,152 @@
+"""The long-context tasks (data/tasks): stream construction, the graders, the written answers of a run."""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+
+from evictlab.cache import make_policy
+from evictlab.config import EvalTask
+from evictlab.data import load_corpus
+from evictlab.data.tasks import TASKS, make_task, task_streams
+from evictlab.errors import ConfigError
+from evictlab.eval import StreamSpec
+from evictlab.eval.engine import generate
+from evictlab.eval.evaluate import task_accuracy
+from tests.conftest import make_cfg
+
+
+@pytest.fixture(scope="module")
+def corpus(session_outputs):
+    cfg = make_cfg(session_outputs)
+    return load_corpus(cfg.dataset, cfg.tokenizer, cfg.outputs)
+
+
+def test_every_task_is_an_eval_task_and_has_one_file():
+    assert set(TASKS) == {t.value for t in EvalTask} - {"lm", "recall"}
+    assert len(TASKS) >= 3
+    with pytest.raises(ConfigError, match="unknown task 'nope'; known: niah_multikey"):
+        make_task("nope")
+
+
+@pytest.mark.parametrize("name", sorted(TASKS))
+def test_streams_plant_every_needle_in_order_and_end_with_the_reference_answer(corpus, name):
+    tok = corpus.tokenizer
+    b = task_streams(corpus, name, 4, 1000, sink_token=False, seed=3)
+    assert b.tokens.shape == (4, 1000) and (b.tokens[:, 0] == tok.bos_id).all()
+    for i, p in enumerate(b.problems):
+        row = b.tokens[i].tolist()
+        s, n = int(b.answer_start[i]), int(b.answer_len[i])
+        assert s == b.answer_start[0] and tok.decode(row[s : s + n]) == p.answer  # one prompt length
+        assert tok.decode(row[:s]).endswith(f"{p.question}\nAnswer: {p.reply}")
+        assert b.answer[i].sum() == n and b.answer[i, s - 1 : s - 1 + n].all()
+        assert b.needle_pos[i] == sorted(b.needle_pos[i]) and len(b.needle_pos[i]) == len(p.needles)
+        for at, needle in zip(b.needle_pos[i], p.needles, strict=True):
+            assert tok.decode(row[at : at + len(tok.encode(needle))]) == needle
+        assert b.task.score(p, p.answer) == (True, 1.0)  # the reference answer is graded correct
+    again = task_streams(corpus, name, 4, 1000, sink_token=False, seed=3)
+    assert torch.equal(again.tokens, b.tokens) and again.problems == b.problems
+    other = task_streams(corpus, name, 4, 1000, sink_token=False, seed=4)
+    assert other.problems != b.problems
+    with pytest.raises(ConfigError, match="haystack tokens"):
+        task_streams(corpus, name, 1, 80, sink_token=False)
+
+
+def _wrong(item: str) -> str:
+    """The item with its last character changed (a digit or a capital letter)."""
+    last = item[-1]
+    return item[:-1] + ("0" if last == "9" else "A" if last == "Z" else chr(ord(last) + 1))
+
+
+@pytest.mark.parametrize("name", sorted(TASKS))
+def test_the_grader_accepts_a_correct_answer_and_rejects_wrong_missing_or_extra_items(name):
+    task = make_task(name)
+    p = task.problem(np.random.default_rng(0))
+    items = list(p.expected)
+    sep = " " if task.item.startswith("[A-Z]") else ", "
+    assert task.score(p, " " + sep.join(reversed(items)) + ".<|im_end|>\nmore 1234567") == (True, 1.0)
+    assert task.score(p, "\n" + sep.join(items)) == (True, 1.0)  # its first line that has text
+    assert task.score(p, " Let me see.\n" + sep.join(items)) == (False, 0.0)  # and only that line
+    wrong = task.score(p, " " + sep.join([_wrong(items[0]), *items[1:]]))
+    assert wrong == (False, (len(items) - 1) / len(items))
+    if len(items) > 1:
+        assert task.score(p, " " + sep.join(items[1:])) == (False, (len(items) - 1) / len(items))
+    assert task.score(p, " " + sep.join([*items, _wrong(items[0])])) == (False, len(items) / (len(items) + 1))
+    assert task.score(p, " I do not know.") == (False, 0.0)
+
+
+def test_a_variable_tracking_answer_names_only_the_asked_chain():
+    task = make_task("variable_tracking")
+    p = task.problem(np.random.default_rng(1))
+    chain = [n.split()[1] for n in p.needles]
+    other = [v for v in dict.fromkeys(chain) if v not in p.expected]
+    assert len(other) == len(p.expected)  # the distractor chain: as long, another value
+    assert task.score(p, " " + " ".join(other))[0] is False
+
+
+@pytest.mark.parametrize("policy", ["full", "h2o"])
+def test_written_answers_are_graded_and_match_the_teacher_forced_answer(tiny_checkpoint, corpus, policy):
+    """A causal policy writes the reference's tokens exactly when it predicts each of them teacher-forced
+    (until its first wrong token greedy decoding sees the true prefix); the grade is the grader's."""
+    model, tok = tiny_checkpoint.model, corpus.tokenizer
+    b = task_streams(corpus, "niah_multikey", 2, 700, sink_token=False, seed=0)
+    for i in (0,):  # make one answer the model's own continuation, so both outcomes occur
+        s, n = int(b.answer_start[i]), int(b.answer_len[i])
+        b.tokens[i, s : s + n] = generate(model, b.tokens[i : i + 1, :s], make_policy(policy), 32, n)[0]
+    f = task_accuracy(model, b, make_policy(policy), 32, StreamSpec(batch_size=4), decode=tok.decode)
+    assert list(f["task"].unique()) == ["niah_multikey"] and len(f) == 2
+    ref = [tok.decode(b.tokens[i, b.answer_start[i] :][: b.answer_len[i]].tolist()) for i in range(2)]
+    starts = [w.startswith(r) for w, r in zip(f["written"], ref, strict=True)]
+    assert starts == list(f["exact_teacher_forced"]) and all(starts[::2])
+    graded = [b.task.score(p, w) for p, w in zip(b.problems, f["written"], strict=True)]
+    assert list(f["exact"]) == [e for e, _ in graded] and list(f["partial"]) == [c for _, c in graded]
+    no_text = task_accuracy(model, b, make_policy("oracle"), 32, decode=tok.decode)
+    assert "written" not in no_text and np.isfinite(no_text["answer_nll"]).all()
+
+
+def test_chatml_needs_a_tokenizer_with_the_chat_tokens(corpus, tmp_path):
+    with pytest.raises(ConfigError, match="task_template=chatml needs a tokenizer"):
+        task_streams(corpus, "niah_multikey", 1, 1000, sink_token=False, template="chatml")
+    with pytest.raises(ConfigError, match="task_template='json' must be plain or chatml"):
+        make_cfg(tmp_path, "eval.task_template=json")
+
+
+@pytest.mark.slow
+def test_chatml_prompts_are_smollm2_chat_turns(smollm2_outputs):
+    """With SmolLM2's tokenizer the prompt is its chat template: system, user, then the assistant's reply."""
+    cfg = make_cfg(smollm2_outputs, "model=smollm2_135m", "dataset=man_pinned")
+    corpus = load_corpus(cfg.dataset, cfg.tokenizer, cfg.outputs)
+    b = task_streams(corpus, "niah_multiquery", 2, 700, sink_token=False, template="chatml", seed=0)
+    tok = corpus.tokenizer
+    for i, p in enumerate(b.problems):
+        text = tok.decode(b.tokens[i].tolist())
+        assert text.startswith("<|im_start|>system\nYou are a helpful AI assistant named SmolLM")
+        assert f"{p.question}<|im_end|>\n<|im_start|>assistant\n{p.reply}{p.answer}" in text
+        assert text.endswith(p.answer) and b.tokens[i, 0] == tok.bos_id
+        assert (b.tokens[i] == tok.encode("<|im_end|>")[0]).sum() == 2  # system and user turns end
+
+
+def test_a_task_run_records_each_answer_written_and_graded(session_outputs):
+    import json
+
+    from evictlab import run as run_mod
+    from evictlab.analysis.aggregate import aggregate
+    from evictlab.analysis.report import load_tables
+    from tests.test_pipeline import cfg_for
+
+    # the session's tiny checkpoint (trained once), this test's own group (so aggregate reads its run only)
+    overrides = ["group=task_run", "strategy=streaming_llm", "budget=b32", "logger=none"]
+    cfg = cfg_for(session_outputs, *overrides, "eval.task=niah_multivalue", "eval.stream_len=800")
+    m = run_mod.run(cfg)
+    graded = pd.read_parquet(run_mod.run_dir(cfg) / "tasks.parquet")
+    assert len(graded) == 2 and m["n_streams"] == 2 and {"written", "exact", "partial"} <= set(graded)
+    assert m["task_partial"] == pytest.approx(graded["partial"].mean())
+    assert m["task_exact_teacher_forced"] == pytest.approx(graded["exact_teacher_forced"].mean())
+    assert json.loads((run_mod.run_dir(cfg) / "metrics.json").read_text())["status"] == "ok"
+    aggregate([run_mod.run_dir(cfg).parent], run_mod.run_dir(cfg).parent)
+    tables = load_tables(run_mod.run_dir(cfg).parent)
+    assert len(tables["tasks"]) == 2 and set(tables["tasks"]["strategy"]) == {"streaming_llm"}
+    plain = cfg_for(session_outputs, *overrides, "eval.stream_len=800")
+    assert run_mod.run_dir(plain) != run_mod.run_dir(cfg)  # the task is in the run key
