@@ -15,7 +15,7 @@ from evictlab.cache import POLICIES, make_policy
 from evictlab.cache.policies import StepContext, choose_victim
 from evictlab.eval import PositionMode, StreamSpec, full_reference, naive_stream, stream
 from evictlab.eval.caches import held_share
-from evictlab.eval.engine import plan
+from evictlab.eval.engine import generate, plan
 from evictlab.models.gpt import GPT, GPTConfig
 
 T = 40  # stream length (tokens, prefix included): 39 predicted tokens
@@ -523,3 +523,20 @@ def test_readme_add_a_policy_example_works(setup):
         assert kept[0][0, 0].tolist() == [*range(8), 37, 38]  # the first entries and the 2 most recent
     finally:
         registry.POLICIES.pop("keep_first", None)
+
+
+GENERATING = [c for c in CASES if policy_of(c).can_generate() and not policy_of(c).recompute]
+
+
+@pytest.mark.parametrize("block", [5, 64])  # blocks shorter than the budget, and one block for the prompt
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("name", GENERATING)
+def test_generation_after_a_blocked_prefill_equals_the_token_loop(setup, name, mode, block):
+    """generate runs the prompt on the blocked path and hands its caches and policy state to the token
+    loop: the same continuation as a prompt streamed token by token, at a budget the prompt overflows."""
+    model, tokens, _ = setup
+    budget, prompt = small_budget(name), tokens[:, :27]
+    spec = StreamSpec(position_mode=mode, block=block)
+    fast = generate(model, prompt, policy_of(name), budget, 12, spec)
+    loop = generate(model, prompt, policy_of(name), budget, 12, replace(spec, force_loop=True))
+    assert torch.equal(fast, loop)

@@ -150,19 +150,40 @@ def stream_blocked(
     Where it can, the steps from the first eviction on run as a wavefront over layers (eval/wavefront.py)
     in blocks of `wave_steps(block)`."""
     inp, tgt = tokens[:, :-1], tokens[:, 1:]
-    B, n = inp.shape
     rec = Recorder(tgt, None, ref, tick)
-    loop = TokenLoop(model, policy, budgets, mode, B, n, doc, ref)
-    attend = BlockedLoop(loop)
-    filled = min(n, min(budgets))  # steps 0 .. filled-1: no layer evicts yet
-    for s, e, pos in attend.blocks(0, filled, block, tokens.device):
-        rec.add(s, model.forward_with(inp[:, s:e], pos, attend.fill))
-    if steady_start(loop, n) == filled:  # all layers at once, a block apart
-        Wavefront(model, loop, attend.project, rec, inp, filled).run(wave_steps(block), block)
-        filled = n
-    for s, e, pos in attend.blocks(filled, n, block, tokens.device):  # layer by layer, step by step
-        rec.add(s, model.forward_with(inp[:, s:e], pos, attend))
+    loop = TokenLoop(model, policy, budgets, mode, inp.shape[0], inp.shape[1], doc, ref)
+    run_blocked(model, inp, loop, block, rec)
     out = rec.out
     if loop.lost is not None:
         out["lost"] = loop.lost.values
     return out, loop
+
+
+class _Discard:
+    """A recorder that keeps nothing (a prefill wants the caches, not the prompt's predictions)."""
+
+    def add(self, s: int, logits: torch.Tensor) -> None:
+        pass
+
+
+@torch.no_grad()
+def prefill(model: GPT, prompt: torch.Tensor, loop: TokenLoop, block: int) -> None:
+    """Steps 0 .. P-2 of prompt [B, P] on the blocked path into `loop` (a TokenLoop sized for the whole
+    generation): its caches and policy state are then the token loop's after step P-2, and decoding goes on
+    with `loop.decode_one_token` from step P-1 (tests/test_generate.py holds it equal to the token loop)."""
+    if prompt.shape[1] > 1:
+        run_blocked(model, prompt[:, :-1], loop, block, _Discard())
+
+
+def run_blocked(model: GPT, inp: torch.Tensor, loop: TokenLoop, block: int, rec) -> None:
+    """Steps 0 .. n-1 of inp [B, n] into loop, the predictions of each block to `rec.add(start, logits)`."""
+    n = inp.shape[1]
+    attend = BlockedLoop(loop)
+    filled = min(n, min(loop.budgets))  # steps 0 .. filled-1: no layer evicts yet
+    for s, e, pos in attend.blocks(0, filled, block, inp.device):
+        rec.add(s, model.forward_with(inp[:, s:e], pos, attend.fill))
+    if steady_start(loop, n) == filled:  # all layers at once, a block apart
+        Wavefront(model, loop, attend.project, rec, inp, filled).run(wave_steps(block), block)
+        filled = n
+    for s, e, pos in attend.blocks(filled, n, block, inp.device):  # layer by layer, step by step
+        rec.add(s, model.forward_with(inp[:, s:e], pos, attend))

@@ -30,10 +30,10 @@ import torch
 from evictlab.cache.budget import budgets_for
 from evictlab.cache.policies import Policy
 from evictlab.errors import ConfigError
-from evictlab.eval.blocked import stream_blocked
+from evictlab.eval.blocked import prefill, stream_blocked
 from evictlab.eval.caches import last_attended
 from evictlab.eval.full import FullReference, Tick
-from evictlab.eval.loop import stream_loop
+from evictlab.eval.loop import TokenLoop, stream_loop
 from evictlab.eval.spec import DEFAULT, PositionMode, StreamSpec, check_positions, sampled_steps
 from evictlab.eval.static import stream_recompute, stream_static
 from evictlab.models.gpt import GPT
@@ -261,7 +261,9 @@ def generate(
     doc: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Greedy continuation [B, n_new] of prompt [B, P] with the cache evicted to `budget` every step
-    (the prompt is streamed token by token under the policy first, exactly as in `stream`)."""
+    (the prompt runs on the blocked path, whose caches and policy state are then the token loop's, as
+    tests/test_policies.py holds; spec.force_loop streams it token by token instead; then each new token
+    through the token loop)."""
     check_positions(model.cfg, spec.position_mode)
     if not policy.can_generate():
         why = "it needs the full-cache run's future" if policy.needs_future else "it ablates the full cache"
@@ -270,15 +272,21 @@ def generate(
     if P < 1 or n_new < 1:
         raise ConfigError(f"generation needs a prompt and n_new >= 1 (got P={P}, n_new={n_new})")
     tokens = torch.cat([prompt, prompt.new_zeros(B, n_new)], dim=1)
-    # generation decodes token by token: the plan of the token loop (or of the recompute baseline)
-    p = plan(
-        policy, budget, replace(spec, force_loop=True, compile=False), model.cfg.n_layer, tokens.shape[1]
-    )
+    p = plan(policy, budget, replace(spec, compile=False), model.cfg.n_layer, tokens.shape[1])
     model.eval()
     if p.path == "recompute":
         return _generate_recompute(model, prompt, p.budgets[0] + 1, n_new, policy.n_sink)
     doc = doc if doc is not None else torch.arange(B, device=prompt.device)
-    _, _, filled = stream_loop(
-        model, tokens, policy, list(p.budgets), spec.position_mode, None, doc, generate_from=P
-    )
-    return filled[:, P:]
+    if spec.force_loop:  # the reference: the prompt token by token too
+        _, _, filled = stream_loop(
+            model, tokens, policy, list(p.budgets), spec.position_mode, None, doc, generate_from=P
+        )
+        return filled[:, P:]
+    # the prompt on the blocked path (every policy that can generate runs on it), then token by token
+    n = tokens.shape[1] - 1
+    loop = TokenLoop(model, policy, list(p.budgets), spec.position_mode, B, n, doc)
+    prefill(model, prompt, loop, min(spec.block, BLOCK_STEPS))
+    with torch.no_grad():
+        for t in range(P - 1, n):
+            tokens[:, t + 1] = loop.decode_one_token(tokens[:, t : t + 1], t).argmax(-1)
+    return tokens[:, P:]
