@@ -87,7 +87,10 @@ def test_run_records_generations(tmp_path: Path):
     assert any(k.startswith("generations") for h in wb["history"] for k in h)  # the W&B table
     assert wb["summary"]["gen_agreement"] == pytest.approx(m["gen_agreement"])
     g = pd.read_parquet(run_mod.run_dir(cfg) / "generations.parquet")
-    assert len(g) == 2 and {"first_divergence", "agreement", "text_full", "text_policy"} <= set(g)
+    assert len(g) == 2 and {"first_divergence", "agreement", "rouge_l", "text_full", "text_policy"} <= set(g)
+    assert m["gen_rouge_l"] == pytest.approx(g["rouge_l"].mean())
+    same = g["text_full"] == g["text_policy"]
+    assert (g.loc[same, "rouge_l"] == 1).all() and g["rouge_l"].between(0, 1).all()
     assert m["gen_agreement"] == pytest.approx(g["agreement"].mean()) and m["generate_tokens"] == 8
     stored = json.loads((run_mod.run_dir(cfg) / "metrics.json").read_text())
     assert stored["gen_first_divergence_mean"] == pytest.approx(g["first_divergence"].mean())
@@ -95,6 +98,15 @@ def test_run_records_generations(tmp_path: Path):
         tmp_path / "outputs", "strategy=oracle", "budget=b16", "logger=none", "eval.generate_tokens=8"
     )
     assert "gen_agreement" not in run_mod.run(oracle)  # non-causal: no generation
+
+
+def test_rouge_l_is_the_longest_common_subsequence_f1_over_words():
+    from evictlab.run import rouge_l
+
+    got = rouge_l(
+        ["the cat sat on the mat", "a b", "", "-- ::"], ["the cat lay on a mat", "c d", "", "-- ::"]
+    )
+    assert got == [pytest.approx(2 / 3), 0.0, 1.0, 1.0]  # LCS "the cat on mat": 4 of 6 words each side
 
 
 def test_recompute_window_re_encodes_from_position_zero_in_both_modes():

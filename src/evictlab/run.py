@@ -372,13 +372,15 @@ class RunStages:
             model, tokens, cfg.strategy.build(), cfg.resolved_budget, n_new, cfg.eval.spec()
         )
         decode = corpus.tokenizer.decode
+        full, ours = [decode(r) for r in g["full_tokens"]], [decode(r) for r in g["policy_tokens"]]
         table = pd.DataFrame(
             {
                 "stream": np.arange(len(g["agreement"])),
                 "first_divergence": g["first_divergence"],
                 "agreement": g["agreement"],
-                "text_full": [decode(r) for r in g["full_tokens"]],
-                "text_policy": [decode(r) for r in g["policy_tokens"]],
+                "rouge_l": rouge_l(ours, full),
+                "text_full": full,
+                "text_policy": ours,
             }
         )
         _write_table(self.out / R.GENERATIONS, table)
@@ -386,6 +388,7 @@ class RunStages:
             "generate_tokens": n_new,
             "gen_first_divergence_mean": float(g["first_divergence"].mean()),
             "gen_agreement": float(g["agreement"].mean()),
+            "gen_rouge_l": float(table["rouge_l"].mean()),
         }
 
     def track(self, metrics: dict[str, Any], curve: pd.DataFrame, generations) -> None:
@@ -393,6 +396,18 @@ class RunStages:
         from evictlab.store import to_jsonable
 
         tracking.log_eval(self.cfg, self.key, to_jsonable(self.cfg), metrics, curve, generations)
+
+
+def rouge_l(texts: list[str], references: list[str]) -> list[float]:
+    """ROUGE-L F1 of each text against its reference (Google's rouge-score: lower-cased alphanumeric words,
+    longest common subsequence); 1 where the two are the same text (even one without words)."""
+    from rouge_score import rouge_scorer
+
+    scorer = rouge_scorer.RougeScorer(["rougeL"])
+    return [
+        1.0 if t == r else scorer.score(r, t)["rougeL"].fmeasure
+        for t, r in zip(texts, references, strict=True)
+    ]
 
 
 def summary_line(m: dict[str, Any]) -> str:

@@ -29,7 +29,7 @@ class NiahMultiKey(Task):
         return Problem(
             needles=[NEEDLE.format(k=a, v=b) for a, b in zip(keys, values, strict=True)],
             question=f"What is the special magic number for {k} mentioned in the provided text?",
-            reply=f"The special magic number for {k} mentioned in the provided text is:",
+            reply=f"The special magic number for {k} mentioned in the provided text is",
             answer=f" {v}",
             expected=(v,),
         )

@@ -25,7 +25,7 @@ class NiahMultiQuery(Task):
         return Problem(
             needles=[NEEDLE.format(k=a, v=b) for a, b in zip(keys, values, strict=True)],
             question=f"What are all the special magic numbers for {names} mentioned in the provided text?",
-            reply=f"The special magic numbers for {names} mentioned in the provided text are:",
+            reply=f"The special magic numbers for {names} mentioned in the provided text are",
             answer=" " + ", ".join(values[i] for i in asked),
             expected=tuple(values[i] for i in asked),
         )

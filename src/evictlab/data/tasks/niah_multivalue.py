@@ -22,7 +22,7 @@ class NiahMultiValue(Task):
         return Problem(
             needles=[NEEDLE.format(k=k, v=v) for v in values],
             question=f"What are all the special magic numbers for {k} mentioned in the provided text?",
-            reply=f"The special magic numbers for {k} mentioned in the provided text are:",
+            reply=f"The special magic numbers for {k} mentioned in the provided text are",
             answer=" " + ", ".join(values),
             expected=tuple(values),
         )
