@@ -67,8 +67,8 @@ def test_the_grader_accepts_a_correct_answer_and_rejects_wrong_missing_or_extra_
     items = list(p.expected)
     sep = " " if task.item.startswith("[A-Z]") else ", "
     assert task.score(p, " " + sep.join(reversed(items)) + ".<|im_end|>\nmore 1234567") == (True, 1.0)
-    assert task.score(p, "\n" + sep.join(items)) == (True, 1.0)  # its first line that has text
-    assert task.score(p, " Let me see.\n" + sep.join(items)) == (False, 0.0)  # and only that line
+    assert task.score(p, ":\n\n" + "\n".join(f"- {i}" for i in items)) == (True, 1.0)  # a list counts
+    assert task.score(p, " Let me see.\n\n" + sep.join(items)) == (False, 0.0)  # up to a blank line
     wrong = task.score(p, " " + sep.join([_wrong(items[0]), *items[1:]]))
     assert wrong == (False, (len(items) - 1) / len(items))
     if len(items) > 1:

@@ -318,17 +318,18 @@ def greedy_divergence(
     return {"policy_tokens": p, "full_tokens": f, "first_divergence": first, "agreement": same.mean(1)}
 
 
-def greedy_answers(model, batch, policy: Policy, budget: int, spec: StreamSpec, extra: int = 0) -> list:
+def greedy_answers(model, batch, policy: Policy, budget: int, spec: StreamSpec, length=None) -> list:
     """Per stream of an answer batch (RecallBatch, TaskBatch): the tokens greedy decoding writes under the
-    policy from the stream's prompt (tokens[:, :answer_start]), answer_len + `extra` of them; streams whose
-    prompts end at one position decode together, in batches (as many tokens as the longest needs: decoding
-    is causal, so a row's first tokens do not depend on how many follow)."""
+    policy from the stream's prompt (tokens[:, :answer_start]), answer_len of them, or `length(answer_len)`;
+    streams whose prompts end at one position decode together, in batches (as many tokens as the longest
+    needs: decoding is causal, so a row's first tokens do not depend on how many follow)."""
     out: list = [None] * len(batch.answer_start)
     for start in np.unique(batch.answer_start):  # streams whose answers start at one position
         rows = np.flatnonzero(batch.answer_start == start)
         for r0 in range(0, len(rows), spec.batch_size):
             idx = torch.from_numpy(rows[r0 : r0 + spec.batch_size])
-            want = batch.answer_len[idx.numpy()] + extra
+            want = batch.answer_len[idx.numpy()]
+            want = want if length is None else length(want)
             new = generate(model, batch.tokens[idx, :start], policy, budget, int(want.max()), spec, doc=idx)
             for i, row, n in zip(idx.tolist(), new, want, strict=True):
                 out[i] = row[:n]
@@ -386,7 +387,10 @@ def recall_accuracy(
     return frame
 
 
-TASK_SLACK = 8  # tokens decoded past the reference answer's length (an answer may be phrased longer)
+def task_decode_len(answer_len: np.ndarray) -> np.ndarray:
+    """Tokens decoded for an answer of `answer_len` tokens: twice as many, plus 8 (an answer may be phrased
+    longer than the reference: a list of one item per line, a sentence around the number)."""
+    return 2 * answer_len + 8
 
 
 def task_accuracy(
@@ -414,7 +418,7 @@ def task_accuracy(
         }
     )
     if decode is not None and policy.can_generate():
-        written = greedy_answers(model, batch, policy, budget, spec, TASK_SLACK)
+        written = greedy_answers(model, batch, policy, budget, spec, task_decode_len)
         frame["written"] = [decode(w.tolist()) for w in written]
         graded = [batch.task.score(p, t) for p, t in zip(batch.problems, frame["written"], strict=True)]
         frame["exact"] = [e for e, _ in graded]

@@ -66,9 +66,11 @@ class Task:
         raise NotImplementedError
 
     def named(self, text: str) -> list[str]:
-        """The items an answer names, in order, duplicates dropped: its first line only (up to an end of
-        turn), so text the model runs on into is not read as part of the answer."""
-        first = text.split("<|im_end|>")[0].strip().split("\n")[0]
+        """The items an answer names, in order, duplicates dropped. The answer is the text before the end
+        of the turn (<|im_end|>), from its first word to its first blank line: a list over several lines
+        counts, text the model runs on into after a blank line does not."""
+        body = text.split("<|im_end|>")[0].lstrip(" \t\n:.,-")
+        first = body.split("\n\n")[0]
         return list(dict.fromkeys(re.findall(rf"(?<![\w]){self.item}(?![\w])", first)))
 
     def score(self, problem: Problem, text: str) -> tuple[bool, float]:
