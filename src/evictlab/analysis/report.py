@@ -13,6 +13,7 @@ import argparse
 import base64
 import html
 import io
+import re
 import sys
 import time
 from pathlib import Path
@@ -100,7 +101,13 @@ def _policy_grid(frame: pd.DataFrame, P: S.PolicyOrder, column: str) -> pd.DataF
     t = t.pivot_table(index=["order", "policy"], columns=column, values="cell", aggfunc="first")
     if column == "budget":
         t.columns = [f"b{int(b)}" for b in t.columns]
+    t = t.iloc[sorted(range(len(t)), key=lambda i: (t.index[i][0], _natural(t.index[i][1])))]
     return t.droplevel("order").fillna("-")
+
+
+def _natural(label: str) -> list:
+    """A sort key that orders the numbers inside a label by value ("n_sink=2" before "n_sink=16")."""
+    return [(0, int(x), "") if x.isdigit() else (1, 0, x) for x in re.split(r"(\d+)", label)]
 
 
 def cost_table(tables: dict[str, pd.DataFrame], mode: str = "original") -> pd.DataFrame:

@@ -166,9 +166,11 @@ def run_settings(results: pd.DataFrame, columns: dict[str, str]) -> pd.DataFrame
 
 def run_labels(results: pd.DataFrame) -> pd.Series:
     """run_key -> what tells runs of one strategy apart: the conf/arm/ name where one was chosen, else the
-    strategy parameters that vary between its runs ("n_sink=1"); "" where nothing does."""
+    strategy parameters (and `dataset.bos`) that vary between its runs ("n_sink=1, bos=False"); "" where
+    nothing does."""
     runs = results.drop_duplicates("run_key").set_index("run_key")
     params = [c for c in runs if c.startswith("cfg.strategy.params.")]
+    params += [c for c in ("cfg.dataset.bos",) if c in runs]  # a stream with BOS first or without
     labels = pd.Series("", index=runs.index, dtype=object)
     for _, g in runs.groupby("strategy"):
         varying = [c for c in params if g[c].notna().any() and g[c].astype(str).nunique() > 1]
