@@ -184,7 +184,7 @@ def _tables_text(name: str, tables: dict[str, pd.DataFrame], wanted: dict) -> st
     for mode in modes:
         held = held_table(tables, mode)
         if held is not None:
-            what = "share of steps whose query attends to position 0, mean over layers (lowest layer)"
+            what = "share of steps at which the cache holds position 0, mean over layers (lowest layer)"
             out += ["", f"{mode} positions, {what}:", markdown(held)]
     if not tables["recall"].empty:
         depths = ", ".join(f"{d:g}" for d in sorted(tables["recall"]["depth"].unique()))

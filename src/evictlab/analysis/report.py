@@ -294,7 +294,7 @@ def band_cost_table(tables: dict[str, pd.DataFrame], edges: list[int]) -> pd.Dat
 
 
 def held_table(tables: dict[str, pd.DataFrame], mode: str = "original") -> pd.DataFrame | None:
-    """Per evicting policy (rows) x budget: the share of steps whose query attends to position 0 under the
+    """Per evicting policy (rows) x budget: the share of steps at which the cache holds position 0 under the
     policy (layers.parquet `held_p0`), as "mean over layers (lowest layer)", e.g. "0.984 (0.295)"; None
     for runs from before it was recorded."""
     layers = tables.get("layers")
