@@ -148,5 +148,51 @@ def test_a_task_run_records_each_answer_written_and_graded(session_outputs):
     aggregate([run_mod.run_dir(cfg).parent], run_mod.run_dir(cfg).parent)
     tables = load_tables(run_mod.run_dir(cfg).parent)
     assert len(tables["tasks"]) == 2 and set(tables["tasks"]["strategy"]) == {"streaming_llm"}
+    from evictlab.paper import _tables_text
+
+    text = _tables_text("task_run", tables, {})  # what make tables prints for a task sweep
+    share = f"{graded['exact'].mean():.2f} ["
+    assert (
+        "task answers graded exact" in text
+        and f"| niah_multivalue, 800 tokens: StreamingLLM | {share}" in text
+    )
     plain = cfg_for(session_outputs, *overrides, "eval.stream_len=800")
     assert run_mod.run_dir(plain) != run_mod.run_dir(cfg)  # the task is in the run key
+
+
+def test_wilson_interval_and_exact_mcnemar_test():
+    from evictlab.analysis import stats as S
+
+    assert S.wilson_ci(5, 10) == pytest.approx((0.5, 0.2366, 0.7634), abs=1e-4)
+    p, lo, hi = S.wilson_ci(0, 10)
+    assert (p, lo) == (0.0, 0.0) and hi == pytest.approx(0.2775, abs=1e-4)  # not collapsed to a point
+    ones, zeros = np.ones(6, dtype=bool), np.zeros(6, dtype=bool)
+    assert S.mcnemar_p(ones, zeros) == pytest.approx(2 * 0.5**6)  # 6 discordant pairs, all one way
+    assert S.mcnemar_p(np.r_[ones, zeros], np.r_[zeros, ones]) == 1.0  # balanced
+    assert S.mcnemar_p(ones, ones) == 1.0  # no discordant pair
+
+
+def test_the_task_table_gives_each_policys_accuracy_and_its_paired_test_against_the_full_cache():
+    from evictlab.analysis.report import task_table
+
+    n = 10
+    rows = []
+    for task, full_ok, h2o_ok in [
+        ("niah_multikey", [1] * 8 + [0] * 2, [0] * 8 + [0, 1]),
+        ("vt", [1] * n, [1] * n),
+    ]:
+        for name, budget, ok in [("full", 2047, full_ok), ("h2o", 256, h2o_ok), ("oracle", 256, [1] * n)]:
+            rows += [
+                {"task": task, "stream_len": 2048, "position_mode": "original", "strategy": name,
+                 "evicts": name != "full", "budget": budget, "stream": i, "strategy_label": name,
+                 "exact": None if name == "oracle" else bool(ok[i]), "exact_teacher_forced": bool(ok[i])}
+                for i in range(n)
+            ]  # fmt: skip
+    t = task_table({"tasks": pd.DataFrame(rows)})
+    assert list(t.columns) == ["all", "b256"] and "oracle" not in " ".join(t.index)  # it writes nothing
+    key = next(i for i in t.index if i.startswith("niah_multikey") and "h2o" in i)
+    assert t.loc[key, "b256"] == "0.10 [0.02, 0.40] 1/10; p=0.039"  # 8 discordant of 9 pairs: 2 x 10/512
+    assert t.loc[next(i for i in t.index if i.startswith("niah") and "full" in i), "all"].startswith("0.80 [")
+    assert t.index[0].startswith("niah_multikey, 2,048 tokens")
+    forced = task_table({"tasks": pd.DataFrame(rows)}, column="exact_teacher_forced")
+    assert any("oracle" in i for i in forced.index)

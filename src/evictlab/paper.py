@@ -147,6 +147,7 @@ def _tables_text(name: str, tables: dict[str, pd.DataFrame], wanted: dict) -> st
         mode_table,
         recall_table,
         sinks_table,
+        task_table,
         training_table,
         units_line,
     )
@@ -190,6 +191,12 @@ def _tables_text(name: str, tables: dict[str, pd.DataFrame], wanted: dict) -> st
         depths = ", ".join(f"{d:g}" for d in sorted(tables["recall"]["depth"].unique()))
         out += ["", f"pass-key recall, exact (teacher-forced), recalled/streams (by needle depth {depths}):"]
         out.append(markdown(recall_table(tables)))
+    if not tables.get("tasks", pd.DataFrame()).empty:
+        what = "share [95% Wilson CI] correct/samples; exact McNemar p against the full cache's answers"
+        out += ["", f"task answers graded exact, as written under the policy: {what}:"]
+        out.append(markdown(task_table(tables, modes[0])))
+        out += ["", "task answers exact teacher-forced (the oracle too), the same columns:"]
+        out.append(markdown(task_table(tables, modes[0], "exact_teacher_forced")))
     if len(modes) == 2:
         out += [
             "",

@@ -335,3 +335,28 @@ def subject_caption(frame: pd.DataFrame) -> str:
     trainings = frame[CLUSTER].nunique() if CLUSTER in frame else 1
     of = f"{trainings} trainings x " if trainings > 1 else ""
     return f"{text}, {of}{n} stream{'s' if n != 1 else ''}"
+
+
+def wilson_ci(k: int, n: int, level: float = 0.95) -> tuple[float, float, float]:
+    """(share, low, high): k successes in n trials with Wilson's score interval (valid at small n and at 0
+    or n successes, where the normal interval collapses to a point)."""
+    from scipy.stats import norm
+
+    if n == 0:
+        return float("nan"), float("nan"), float("nan")
+    z, p = norm.ppf(0.5 + level / 2), k / n
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z / (1 + z * z / n) * np.sqrt(p * (1 - p) / n + z * z / (4 * n * n))
+    return p, max(0.0, centre - half), min(1.0, centre + half)
+
+
+def mcnemar_p(a: np.ndarray, b: np.ndarray) -> float:
+    """Two-sided exact McNemar test of paired successes a, b (booleans, one pair per sample): the binomial
+    test of the discordant pairs against 1/2; 1.0 where there are none."""
+    from scipy.stats import binomtest
+
+    a, b = np.asarray(a, dtype=bool), np.asarray(b, dtype=bool)
+    only_a, only_b = int((a & ~b).sum()), int((~a & b).sum())
+    if only_a + only_b == 0:
+        return 1.0
+    return float(binomtest(only_a, only_a + only_b, 0.5).pvalue)
