@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 import pytest
 
@@ -320,3 +321,16 @@ def test_decision_noise_is_measured_under_rounding_level_perturbations_and_sets_
     assert not V.compare(snapshot, too_far, noise)["ok"].all()
     moved_window = now.assign(nll=[3.0, 2.0, 3.3 * 1.0035], nll_full=1.5, kl=0.5, correct=0.4)
     assert not V.compare(snapshot, moved_window, noise)["ok"].all()  # position-only: no noise allowed
+
+
+def test_a_one_model_snapshot_prints_its_against_rows_paired_per_stream():
+    """figures.yaml `tables: {against: [row]}` on a snapshot of one model: that row's perplexity over each
+    other policy's, paired stream by stream, one column per budget."""
+    tables = paper.load_snapshot(paper.EXPERIMENTS / "smollm2_recall")
+    out = paper._tables_text("smollm2_recall", tables, {"against": ["StreamingLLM"]})
+    block = out[out.index("StreamingLLM against each other policy") :].split("\n\n")[0]
+    assert "| policy | b32 | b64 | b128 | b256 |" in block
+    s = tables["streams"][tables["streams"]["budget"] == 64].set_index(["strategy", "stream"])["nll"]
+    ratio = np.exp((s["streaming_llm"] - s["h2o"]).mean())
+    row = next(line for line in block.splitlines() if line.startswith("| h2o |"))
+    assert row.split("|")[3].strip().startswith(f"{ratio:.3f} [")

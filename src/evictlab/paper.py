@@ -137,6 +137,15 @@ def snapshot_tables(folder: Path) -> str:
     return "\n".join(parts)
 
 
+def _all_steps(tables: dict[str, pd.DataFrame]) -> dict[str, pd.DataFrame]:
+    """The tables without the runs that scored sampled steps only (eval.recompute_sample)."""
+    results = tables["results"]
+    if "cfg.eval.recompute_sample" not in results:
+        return tables
+    sampled = set(results.loc[results["cfg.eval.recompute_sample"].fillna(0) > 0, "run_key"])
+    return {k: t[~t["run_key"].isin(sampled)] if "run_key" in t else t for k, t in tables.items()}
+
+
 def _tables_text(name: str, tables: dict[str, pd.DataFrame], wanted: dict) -> str:
     from evictlab.analysis import stats as S
     from evictlab.analysis.report import (
@@ -170,6 +179,19 @@ def _tables_text(name: str, tables: dict[str, pd.DataFrame], wanted: dict) -> st
                 what = "paired per stream; above 1: the policy does better"
                 out += ["", f"{against} against each other policy, budget {int(budget)} ({what}):"]
                 out.append(markdown(training_table(tables, modes[0], int(budget), against)))
+    elif wanted.get("against"):  # one model: each comparison one table, budgets as columns
+        tables = _all_steps(
+            tables
+        )  # (a sampled run's NLL covers other tokens than the row it is set against)
+        original = tables["streams"][tables["streams"]["position_mode"] == modes[0]]
+        budgets = sorted(S.evicting(original)["budget"].unique())
+        for against in wanted["against"]:
+            what = "perplexity ratio paired per stream [95% CI]; above 1: the row does better"
+            out += ["", f"{against} against each other policy, {modes[0]} positions ({what}):"]
+            cols = {
+                f"b{int(b)}": training_table(tables, modes[0], int(b), against).iloc[:, -1] for b in budgets
+            }
+            out.append(markdown(pd.DataFrame(cols).fillna("-").rename_axis("policy")))
     if bands := wanted.get("bands"):
         out += ["", "perplexity over the stream, and mean NLL [nats] by position band:"]
         out.append(markdown(band_table(tables, bands)))
