@@ -130,9 +130,7 @@ def cost_table(tables: dict[str, pd.DataFrame], mode: str = "original") -> pd.Da
     return _policy_grid(cost, P, "budget")
 
 
-def _plain(v):
-    """A config value as written: 0, not 0.0 (a column of ints with gaps is read back as floats)."""
-    return int(v) if isinstance(v, float) and v.is_integer() else v
+_plain = S._plain  # a config value as written: 0, not 0.0
 
 
 def _run_names(results: pd.DataFrame) -> pd.Series:

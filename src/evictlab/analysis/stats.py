@@ -175,11 +175,18 @@ def run_labels(results: pd.DataFrame) -> pd.Series:
     for _, g in runs.groupby("strategy"):
         varying = [c for c in params if g[c].notna().any() and g[c].astype(str).nunique() > 1]
         for key, row in g.iterrows():
-            labels[key] = ", ".join(f"{c.rsplit('.', 1)[1]}={row[c]}" for c in varying if pd.notna(row[c]))
+            labels[key] = ", ".join(
+                f"{c.rsplit('.', 1)[1]}={_plain(row[c])}" for c in varying if pd.notna(row[c])
+            )
     if "cfg.arm" in runs:
         arm = runs["cfg.arm"].fillna("none").astype(str)
         labels = labels.where(arm == "none", arm)
     return labels
+
+
+def _plain(v):
+    """A config value as written: 0, not 0.0 (a column of ints with gaps reads back as floats)."""
+    return int(v) if isinstance(v, float) and v.is_integer() else v
 
 
 def layer_values(layers: pd.DataFrame, metric: str) -> pd.DataFrame:
