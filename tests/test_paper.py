@@ -206,7 +206,7 @@ def test_the_verify_sample_is_one_run_per_policy_at_the_middle_budget_in_origina
     assert labels == sorted(
         ["full b1023 original", "window b64 original", "streaming_llm b64 original", "h2o b64 original"]
         + ["tova b64 original", "scissorhands b64 original", "l2norm b64 original", "random b64 original"]
-        + ["oracle b64 original"]
+        + ["oracle b64 original", "recompute_window b64 original"]
     )
     # runs of the imported model from before train.threads was checked recorded 0: not passed on
     assert not [o for s in sample for o in s.overrides if o.startswith("train.")]
@@ -282,8 +282,9 @@ def test_verify_names_in_one_line_what_a_snapshots_provenance_lacks():
         "main's history; 2 of 2 streams lack their documents"
     )
     # re-made on the pinned text: complete; made before it: the holes a reviewer found are the ones named
-    recall = V.provenance_gaps(paper.load_snapshot(paper.EXPERIMENTS / "smollm2_recall"), paper.REPO_ROOT)
-    assert recall is None or V.shallow(paper.REPO_ROOT)  # (a shallow clone cannot see the runs' commit)
+    for name in ("smollm2_recall", "smollm2_quality"):
+        gaps = V.provenance_gaps(paper.load_snapshot(paper.EXPERIMENTS / name), paper.REPO_ROOT)
+        assert gaps is None or V.shallow(paper.REPO_ROOT), gaps  # (a shallow clone cannot see the commits)
     sinks = V.provenance_gaps(paper.load_snapshot(paper.EXPERIMENTS / "smollm2_sinks"), paper.REPO_ROOT)
     assert sinks.startswith("24 of 24 runs lack info.git_commit; 24 of 24 runs lack streams_sha256; 12 of 24")
 
@@ -334,3 +335,8 @@ def test_a_one_model_snapshot_prints_its_against_rows_paired_per_stream():
     ratio = np.exp((s["streaming_llm"] - s["h2o"]).mean())
     row = next(line for line in block.splitlines() if line.startswith("| h2o |"))
     assert row.split("|")[3].strip().startswith(f"{ratio:.3f} [")
+    # a run that scored sampled steps only (window + recompute) is not set against a row over all steps
+    quality = paper.load_snapshot(paper.EXPERIMENTS / "smollm2_quality")
+    out = paper._tables_text("smollm2_quality", quality, {"against": ["StreamingLLM"]})
+    block = out[out.index("StreamingLLM against each other policy") :].split("\n\n")[0]
+    assert "window+recompute" in out and "window+recompute" not in block and "| h2o |" in block
