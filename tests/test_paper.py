@@ -226,6 +226,7 @@ QUOTED_TABLES = {
     "recall": ["recall"],
     "long_stream": ["long_stream"],
     "smollm2_long": ["smollm2_long"],
+    "smollm2_sinks": ["smollm2_sinks"],
 }
 
 
@@ -282,11 +283,10 @@ def test_verify_names_in_one_line_what_a_snapshots_provenance_lacks():
         "main's history; 2 of 2 streams lack their documents"
     )
     # re-made on the pinned text: complete; made before it: the holes a reviewer found are the ones named
-    for name in ("smollm2_recall", "smollm2_quality"):
+    for name in ("smollm2_recall", "smollm2_quality", "smollm2_sinks"):
         gaps = V.provenance_gaps(paper.load_snapshot(paper.EXPERIMENTS / name), paper.REPO_ROOT)
         assert gaps is None or V.shallow(paper.REPO_ROOT), gaps  # (a shallow clone cannot see the commits)
-    sinks = V.provenance_gaps(paper.load_snapshot(paper.EXPERIMENTS / "smollm2_sinks"), paper.REPO_ROOT)
-    assert sinks.startswith("24 of 24 runs lack info.git_commit; 24 of 24 runs lack streams_sha256; 12 of 24")
+
 
 
 def test_decision_noise_is_measured_under_rounding_level_perturbations_and_sets_the_tolerance():

@@ -301,9 +301,10 @@ def held_table(tables: dict[str, pd.DataFrame], mode: str = "original") -> pd.Da
     held = layers[(layers["metric"] == "held_p0") & (layers["position_mode"] == mode)]
     held = S.evicting(held) if "evicts" in held else held
     P = S.PolicyOrder(tables["streams"])
-    g = held.groupby(["strategy", "budget"])["value"].agg(["mean", "min"]).reset_index()
+    held = held.assign(policy=_row_names(held, tables, P))  # runs of one policy that differ: apart
+    g = held.groupby(["strategy", "policy", "budget"])["value"].agg(["mean", "min"]).reset_index()
     g["cell"] = [f"{m:.3f} ({lo:.3f})" for m, lo in zip(g["mean"], g["min"], strict=True)]
-    return _policy_grid(g.assign(policy=g["strategy"].map(P.label)), P, "budget")
+    return _policy_grid(g, P, "budget")
 
 
 def sinks_table(tables: dict[str, pd.DataFrame], against: int = 1) -> pd.DataFrame:
