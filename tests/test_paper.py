@@ -288,7 +288,6 @@ def test_verify_names_in_one_line_what_a_snapshots_provenance_lacks():
         assert gaps is None or V.shallow(paper.REPO_ROOT), gaps  # (a shallow clone cannot see the commits)
 
 
-
 def test_decision_noise_is_measured_under_rounding_level_perturbations_and_sets_the_tolerance():
     """`paper noise`: the weights moved by about one unit in the last place (seeded) give the shifts of each
     value-deciding run; verify then allows NOISE_FACTOR x that shift to such a run, and only to it."""

@@ -117,7 +117,7 @@ def test_chatml_needs_a_tokenizer_with_the_chat_tokens(corpus, tmp_path):
 def test_chatml_prompts_are_smollm2_chat_turns(smollm2_outputs):
     """With SmolLM2's tokenizer the prompt is its chat template: system, user, then the assistant's reply."""
     cfg = make_cfg(smollm2_outputs, "model=smollm2_135m", "dataset=man_pinned")
-    corpus = load_corpus(cfg.dataset, cfg.tokenizer, cfg.outputs)
+    corpus = load_corpus(cfg.dataset, cfg.tokenizer, cfg.outputs, min_tokens=cfg.corpus_min_tokens)
     b = task_streams(corpus, "niah_multiquery", 2, 700, sink_token=False, template="chatml", seed=0)
     tok = corpus.tokenizer
     for i, p in enumerate(b.problems):

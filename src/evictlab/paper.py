@@ -146,8 +146,52 @@ def _all_steps(tables: dict[str, pd.DataFrame]) -> dict[str, pd.DataFrame]:
     return {k: t[~t["run_key"].isin(sampled)] if "run_key" in t else t for k, t in tables.items()}
 
 
-def _tables_text(name: str, tables: dict[str, pd.DataFrame], wanted: dict) -> str:
+def _training_lines(tables: dict[str, pd.DataFrame], wanted: dict, mode: str) -> list[str]:
+    """Per training where a snapshot has several (and each `against` row set against the others, per
+    budget); on a one-model snapshot, each `against` row against the others, budgets as columns."""
     from evictlab.analysis import stats as S
+    from evictlab.analysis.report import training_table
+
+    out: list[str] = []
+    if "checkpoint" in tables["streams"] and tables["streams"]["checkpoint"].nunique() > 1:
+        original = tables["streams"][tables["streams"]["position_mode"] == mode]
+        ablated = S.ablations(original)
+        for budget in sorted(S.evicting(original)["budget"].unique()):
+            also = " (and the full cache's ablations)" if len(ablated) else ""
+            out += ["", f"per training, {mode} positions, budget {int(budget)}{also}:"]
+            out.append(markdown(training_table(tables, mode, int(budget))))
+            for against in wanted.get("against", []):
+                what = "paired per stream; above 1: the policy does better"
+                out += ["", f"{against} against each other policy, budget {int(budget)} ({what}):"]
+                out.append(markdown(training_table(tables, mode, int(budget), against)))
+        return out
+    tables = _all_steps(tables)  # (a sampled run's NLL covers other tokens than the row it is set against)
+    original = tables["streams"][tables["streams"]["position_mode"] == mode]
+    budgets = sorted(S.evicting(original)["budget"].unique())
+    for against in wanted.get("against", []):
+        what = "perplexity ratio paired per stream [95% CI]; above 1: the row does better"
+        out += ["", f"{against} against each other policy, {mode} positions ({what}):"]
+        cols = {f"b{int(b)}": training_table(tables, mode, int(b), against).iloc[:, -1] for b in budgets}
+        out.append(markdown(pd.DataFrame(cols).fillna("-").rename_axis("policy")))
+    return out
+
+
+def _task_lines(tables: dict[str, pd.DataFrame], mode: str) -> list[str]:
+    """The task tables: answers graded as written, and teacher-forced (where the oracle has a row)."""
+    from evictlab.analysis.report import task_table
+
+    what = "share [95% Wilson CI] correct/samples; exact McNemar p against the full cache's answers"
+    return [
+        "",
+        f"task answers graded exact, as written under the policy: {what}:",
+        markdown(task_table(tables, mode)),
+        "",
+        "task answers exact teacher-forced (the oracle too), the same columns:",
+        markdown(task_table(tables, mode, "exact_teacher_forced")),
+    ]
+
+
+def _tables_text(name: str, tables: dict[str, pd.DataFrame], wanted: dict) -> str:
     from evictlab.analysis.report import (
         band_cost_table,
         band_table,
@@ -156,8 +200,6 @@ def _tables_text(name: str, tables: dict[str, pd.DataFrame], wanted: dict) -> st
         mode_table,
         recall_table,
         sinks_table,
-        task_table,
-        training_table,
         units_line,
     )
 
@@ -168,30 +210,7 @@ def _tables_text(name: str, tables: dict[str, pd.DataFrame], wanted: dict) -> st
     modes = sorted(tables["streams"]["position_mode"].unique(), key=["original", "cache"].index)
     for mode in modes:
         out += ["", f"{mode} positions:", markdown(cost_table(tables, mode))]
-    if "checkpoint" in tables["streams"] and tables["streams"]["checkpoint"].nunique() > 1:
-        original = tables["streams"][tables["streams"]["position_mode"] == modes[0]]
-        ablated = S.ablations(original)
-        for budget in sorted(S.evicting(original)["budget"].unique()):
-            also = " (and the full cache's ablations)" if len(ablated) else ""
-            out += ["", f"per training, {modes[0]} positions, budget {int(budget)}{also}:"]
-            out.append(markdown(training_table(tables, modes[0], int(budget))))
-            for against in wanted.get("against", []):
-                what = "paired per stream; above 1: the policy does better"
-                out += ["", f"{against} against each other policy, budget {int(budget)} ({what}):"]
-                out.append(markdown(training_table(tables, modes[0], int(budget), against)))
-    elif wanted.get("against"):  # one model: each comparison one table, budgets as columns
-        tables = _all_steps(
-            tables
-        )  # (a sampled run's NLL covers other tokens than the row it is set against)
-        original = tables["streams"][tables["streams"]["position_mode"] == modes[0]]
-        budgets = sorted(S.evicting(original)["budget"].unique())
-        for against in wanted["against"]:
-            what = "perplexity ratio paired per stream [95% CI]; above 1: the row does better"
-            out += ["", f"{against} against each other policy, {modes[0]} positions ({what}):"]
-            cols = {
-                f"b{int(b)}": training_table(tables, modes[0], int(b), against).iloc[:, -1] for b in budgets
-            }
-            out.append(markdown(pd.DataFrame(cols).fillna("-").rename_axis("policy")))
+    out += _training_lines(tables, wanted, modes[0])
     if bands := wanted.get("bands"):
         out += ["", "perplexity over the stream, and mean NLL [nats] by position band:"]
         out.append(markdown(band_table(tables, bands)))
@@ -214,11 +233,7 @@ def _tables_text(name: str, tables: dict[str, pd.DataFrame], wanted: dict) -> st
         out += ["", f"pass-key recall, exact (teacher-forced), recalled/streams (by needle depth {depths}):"]
         out.append(markdown(recall_table(tables)))
     if not tables.get("tasks", pd.DataFrame()).empty:
-        what = "share [95% Wilson CI] correct/samples; exact McNemar p against the full cache's answers"
-        out += ["", f"task answers graded exact, as written under the policy: {what}:"]
-        out.append(markdown(task_table(tables, modes[0])))
-        out += ["", "task answers exact teacher-forced (the oracle too), the same columns:"]
-        out.append(markdown(task_table(tables, modes[0], "exact_teacher_forced")))
+        out += _task_lines(tables, modes[0])
     if len(modes) == 2:
         out += [
             "",
