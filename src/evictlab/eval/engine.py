@@ -286,7 +286,6 @@ def generate(
     n = tokens.shape[1] - 1
     loop = TokenLoop(model, policy, list(p.budgets), spec.position_mode, B, n, doc)
     prefill(model, prompt, loop, min(spec.block, BLOCK_STEPS))
-    with torch.no_grad():
-        for t in range(P - 1, n):
-            tokens[:, t + 1] = loop.decode_one_token(tokens[:, t : t + 1], t).argmax(-1)
+    for t in range(P - 1, n):
+        tokens[:, t + 1] = loop.decode_one_token(tokens[:, t : t + 1], t).argmax(-1)
     return tokens[:, P:]

@@ -358,6 +358,11 @@ def _answer_columns(batch, result: EvalResult) -> dict[str, list]:
     }
 
 
+def _teacher_forced(model, batch, policy: Policy, budget: int, spec: StreamSpec) -> EvalResult:
+    """An answer batch's streams evaluated under the policy (no attention diagnostics)."""
+    return evaluate(model, batch.tokens, policy, budget, dataclasses.replace(spec, diagnostics=False))
+
+
 def recall_accuracy(
     model: GPT,
     batch,
@@ -371,8 +376,7 @@ def recall_accuracy(
     teacher-forced and by greedy decoding under the policy, and the stream's perplexity. `result`: an
     `evaluate` of these streams already made. One row per stream; a policy that cannot generate (it
     needs the full-cache run's future), or greedy=False, gets no greedy column."""
-    if result is None:
-        result = evaluate(model, batch.tokens, policy, budget, dataclasses.replace(spec, diagnostics=False))
+    result = result if result is not None else _teacher_forced(model, batch, policy, budget, spec)
     frame = pd.DataFrame(
         {
             "stream": np.arange(len(batch.answer_start)),
@@ -405,8 +409,7 @@ def task_accuracy(
     """Per task stream (data/tasks): the answer teacher-forced (token accuracy, exact match, NLL) and, for a
     policy that can generate, as written: greedy decoding under the policy from the prompt, `decode`d to
     text and graded by the task (`exact`, `partial`). One row per stream."""
-    if result is None:
-        result = evaluate(model, batch.tokens, policy, budget, dataclasses.replace(spec, diagnostics=False))
+    result = result if result is not None else _teacher_forced(model, batch, policy, budget, spec)
     frame = pd.DataFrame(
         {
             "stream": np.arange(len(batch.answer_start)),
