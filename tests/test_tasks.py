@@ -196,3 +196,38 @@ def test_the_task_table_gives_each_policys_accuracy_and_its_paired_test_against_
     assert t.index[0].startswith("niah_multikey, 2,048 tokens")
     forced = task_table({"tasks": pd.DataFrame(rows)}, column="exact_teacher_forced")
     assert any("oracle" in i for i in forced.index)
+
+
+def test_calibrate_scores_the_full_caches_written_answers_and_resumes(
+    session_outputs, tiny_checkpoint, tmp_path, monkeypatch
+):
+    """`python -m evictlab.calibrate`: one CSV row per task x context (exact share = the graded answers'
+    mean, its Wilson interval, the provenance), each answer beside it; a second call keeps finished rows."""
+    from evictlab import calibrate
+    from tests.conftest import TINY
+
+    out = tmp_path / "cal" / "calibration.csv"
+    args = ["--out", str(out), "--tasks", "niah_multikey", "variable_tracking", "--lengths", "700"]
+    args += ["--samples", "3", "--batch", "2", *TINY, f"paths.outputs={session_outputs}"]
+    assert calibrate.main([*args, "eval.task_template=plain"]) == 0
+    summary = pd.read_csv(out)
+    answers = pd.read_parquet(out.with_name("calibration_answers.parquet"))
+    assert summary[["task", "context", "n"]].values.tolist() == [
+        ["niah_multikey", 700, 3],
+        ["variable_tracking", 700, 3],
+    ]
+    for _, row in summary.iterrows():
+        mine = answers[answers["task"] == row["task"]]
+        assert len(mine) == 3 and row["exact"] == mine["exact"].sum()
+        assert row["ci_low"] <= row["exact_share"] <= row["ci_high"]
+        assert row["weights_sha256"] == tiny_checkpoint.meta["weights_sha256"] and len(row["commit"]) == 40
+    assert answers["written"].map(type).eq(str).all()
+
+    def boom(*a, **k):
+        raise AssertionError("a finished row was re-run")
+
+    monkeypatch.setattr(calibrate, "calibrate_one", boom)
+    assert calibrate.main([*args, "eval.task_template=plain"]) == 0
+    assert len(pd.read_csv(out)) == 2
+    with pytest.raises(ConfigError, match="unknown task"):
+        calibrate.main([*args[:2], "--tasks", "nope", *TINY, f"paths.outputs={session_outputs}"])

@@ -25,7 +25,7 @@ import yaml
 from evictlab import results as R
 from evictlab.analysis import figures as F
 from evictlab.analysis.report import load_tables
-from evictlab.store import REPO_ROOT, outputs_dir
+from evictlab.store import REPO_ROOT, outputs_dir, write_atomic
 
 EXPERIMENTS = REPO_ROOT / "experiments"
 
@@ -69,17 +69,38 @@ def experiments(spec: dict) -> list[str]:
     return [spec["experiment"], *spec.get("also", [])]
 
 
-def refresh(folder: Path, launcher: str) -> None:
-    """Re-run the folder's Hydra experiments (make sweep) and copy the aggregated tables into snapshot/."""
+def refresh(folder: Path, launcher: str, slices: list[str] | None = None) -> None:
+    """Re-run the folder's Hydra experiments (make sweep) and copy the aggregated tables into snapshot/.
+    With `slices` (some of the folder's experiments), only those run and their runs are merged into the
+    committed snapshot (`merge_runs`): an experiment longer than one sitting is made slice by slice."""
     exps = experiments(load_spec(folder))
-    for exp in exps:
+    unknown = sorted(set(slices or []) - set(exps))
+    if unknown:
+        raise ValueError(f"{folder.name}: --slice {unknown} not among its experiments {exps}")
+    for exp in exps if not slices else [e for e in exps if e in slices]:
         cmd = ["make", "sweep", f"EXP={exp}", f"GROUP={exps[0]}", f"LAUNCHER={launcher}"]
         subprocess.run(cmd, cwd=REPO_ROOT, check=True)
-    sweep = outputs_dir() / "runs" / exps[0]
-    (folder / "snapshot").mkdir(exist_ok=True)
+    sweep, snap = outputs_dir() / "runs" / exps[0], folder / "snapshot"
+    snap.mkdir(exist_ok=True)
     for t in R.TABLES:
-        if R.table_path(sweep, t).exists():
-            shutil.copyfile(R.table_path(sweep, t), R.table_path(folder / "snapshot", t))
+        made, kept = R.table_path(sweep, t), R.table_path(snap, t)
+        if slices and kept.exists():
+            new = pd.read_parquet(made) if made.exists() else None
+            merged = merge_runs(pd.read_parquet(kept), new)
+            write_atomic(kept, lambda p, m=merged: m.to_parquet(p, index=False))
+        elif made.exists():
+            shutil.copyfile(made, kept)
+
+
+def merge_runs(kept: pd.DataFrame, new: pd.DataFrame | None) -> pd.DataFrame:
+    """A snapshot table with a slice's freshly aggregated rows: every run of `new` replaces that run's rows
+    in `kept` (matched by run_key), the other runs' rows stay."""
+    if new is None or not len(new):
+        return kept
+    if not len(kept) or "run_key" not in kept:
+        return new.reset_index(drop=True)
+    rest = kept[~kept["run_key"].isin(set(new["run_key"]))]
+    return pd.concat([rest, new], ignore_index=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -87,6 +108,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("command", choices=["figures", "run", "verify", "tables", "noise"])
     ap.add_argument("--only", nargs="*", default=None, help="experiment folder names (default: all)")
     ap.add_argument("--launcher", default="local", help="for `run`: local | submitit_local | slurm")
+    ap.add_argument(
+        "--slice",
+        nargs="+",
+        default=None,
+        help="for `run`: only these of the folder's experiments, merged into its committed snapshot",
+    )
     ap.add_argument("--out", type=Path, default=None, help="figure root (default outputs/figures/paper)")
     ap.add_argument("--streams", type=int, default=None, help="for `verify`: the first K streams of each run")
     ap.add_argument("--all", action="store_true", help="for `verify`: every run, not one per policy")
@@ -105,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     root = args.out or outputs_dir() / "figures" / "paper"
     for folder in folders:
         if args.command == "run":
-            refresh(folder, args.launcher)
+            refresh(folder, args.launcher, args.slice)
         files = draw(folder, root / folder.name)
         print(f"{folder.name}: {len(files) // 2} figure(s) -> {root / folder.name}")
     return 0
