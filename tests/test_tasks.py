@@ -13,8 +13,8 @@ from evictlab.data import load_corpus
 from evictlab.data.tasks import TASKS, make_task, task_streams
 from evictlab.errors import ConfigError
 from evictlab.eval import StreamSpec
-from evictlab.eval.engine import generate
-from evictlab.eval.evaluate import task_accuracy
+from evictlab.eval.engine import DecodeClock, generate
+from evictlab.eval.evaluate import task_accuracy, task_decode_len
 from tests.conftest import make_cfg
 
 
@@ -95,7 +95,12 @@ def test_written_answers_are_graded_and_match_the_teacher_forced_answer(tiny_che
     for i in (0,):  # make one answer the model's own continuation, so both outcomes occur
         s, n = int(b.answer_start[i]), int(b.answer_len[i])
         b.tokens[i, s : s + n] = generate(model, b.tokens[i : i + 1, :s], make_policy(policy), 32, n)[0]
-    f = task_accuracy(model, b, make_policy(policy), 32, StreamSpec(batch_size=4), decode=tok.decode)
+    clock = DecodeClock()
+    f = task_accuracy(
+        model, b, make_policy(policy), 32, StreamSpec(batch_size=4), decode=tok.decode, clock=clock
+    )
+    n_new = task_decode_len(b.answer_len).max()  # both rows decode together, as many as the longer needs
+    assert clock.decode_steps == 2 * n_new and clock.decode_s > 0 and clock.prefill_s > 0
     assert list(f["task"].unique()) == ["niah_multikey"] and len(f) == 2
     ref = [tok.decode(b.tokens[i, b.answer_start[i] :][: b.answer_len[i]].tolist()) for i in range(2)]
     starts = [w.startswith(r) for w, r in zip(f["written"], ref, strict=True)]
@@ -144,6 +149,7 @@ def test_a_task_run_records_each_answer_written_and_graded(session_outputs):
     assert len(graded) == 2 and m["n_streams"] == 2 and {"written", "exact", "partial"} <= set(graded)
     assert m["task_partial"] == pytest.approx(graded["partial"].mean())
     assert m["task_exact_teacher_forced"] == pytest.approx(graded["exact_teacher_forced"].mean())
+    assert m["decode_token_steps_per_s"] > 0 and m["prefill_s"] > 0  # how fast the answers were written
     assert json.loads((run_mod.run_dir(cfg) / "metrics.json").read_text())["status"] == "ok"
     aggregate([run_mod.run_dir(cfg).parent], run_mod.run_dir(cfg).parent)
     tables = load_tables(run_mod.run_dir(cfg).parent)

@@ -39,6 +39,7 @@ from evictlab.data.recall import RecallBatch, recall_streams
 from evictlab.data.streams import eval_streams
 from evictlab.data.tasks import TASKS, TaskBatch, task_streams
 from evictlab.errors import DivergedError
+from evictlab.eval.engine import DecodeClock
 from evictlab.eval.evaluate import (
     EvalResult,
     evaluate,
@@ -213,8 +214,10 @@ class RunStages:
                 rec = recall_accuracy(model, answers, policy, budget, spec, res, self.cfg.eval.recall_greedy)
                 metrics |= self.recall_metrics(rec)
             elif isinstance(answers, TaskBatch):
-                graded = task_accuracy(model, answers, policy, budget, spec, res, corpus.tokenizer.decode)
-                metrics |= self.task_metrics(graded)
+                decoding = DecodeClock()
+                decode = corpus.tokenizer.decode
+                graded = task_accuracy(model, answers, policy, budget, spec, res, decode, decoding)
+                metrics |= self.task_metrics(graded, decoding)
             generations = None
             if self.cfg.eval.generate_tokens and policy.can_generate():
                 generations, extra = self.generation(model, tokens, corpus)
@@ -340,9 +343,10 @@ class RunStages:
             "checkpoint_val_bpb": ck.meta.get("val_bpb"),
         }
 
-    def task_metrics(self, graded: pd.DataFrame) -> dict[str, Any]:
+    def task_metrics(self, graded: pd.DataFrame, decoding: DecodeClock) -> dict[str, Any]:
         """tasks.parquet (one row per task stream) and the run's means: teacher-forced exact match and
-        answer NLL, and where the policy wrote its answers, exact and partial credit."""
+        answer NLL, and where the policy wrote its answers, exact and partial credit and how fast it
+        wrote them (decode token-steps/s through the token loop, the prompts' prefill seconds)."""
         _write_table(self.out / R.TASKS, graded)
         metrics = {
             "task_exact_teacher_forced": float(graded["exact_teacher_forced"].mean()),
@@ -352,6 +356,8 @@ class RunStages:
             metrics |= {
                 "task_exact": float(graded["exact"].mean()),
                 "task_partial": float(graded["partial"].mean()),
+                "decode_token_steps_per_s": decoding.rate(),
+                "prefill_s": decoding.prefill_s,
             }
         return metrics
 

@@ -234,6 +234,20 @@ def stream(
     return replace(out, block=p.block, seconds=seconds, first4_mass=first4_mass)
 
 
+@dataclass
+class DecodeClock:
+    """Where generation's time goes, summed over `generate` calls: the prompt (its blocked-path prefill)
+    and the new tokens, one step at a time through the token loop (the rate a deployment decodes at)."""
+
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    decode_steps: int = 0  # token-steps decoded: rows x new tokens
+
+    def rate(self) -> float:
+        """Decode token-steps per second (NaN before any)."""
+        return self.decode_steps / self.decode_s if self.decode_s > 0 else float("nan")
+
+
 @torch.no_grad()
 def _generate_recompute(model: GPT, prompt: torch.Tensor, W: int, n_new: int, n_sink: int = 0):
     """Greedy continuation without a cache: a fresh forward over the first n_sink and the last W - n_sink
@@ -259,11 +273,13 @@ def generate(
     spec: StreamSpec = DEFAULT,
     *,
     doc: torch.Tensor | None = None,
+    clock: DecodeClock | None = None,
 ) -> torch.Tensor:
     """Greedy continuation [B, n_new] of prompt [B, P] with the cache evicted to `budget` every step
     (the prompt runs on the blocked path, whose caches and policy state are then the token loop's, as
     tests/test_policies.py holds; spec.force_loop streams it token by token instead; then each new token
-    through the token loop)."""
+    through the token loop). `clock` adds this call's prefill and decode seconds (not on force_loop's
+    reference; window + recompute's re-encoding counts as decode)."""
     check_positions(model.cfg, spec.position_mode)
     if not policy.can_generate():
         why = "it needs the full-cache run's future" if policy.needs_future else "it ablates the full cache"
@@ -274,8 +290,13 @@ def generate(
     tokens = torch.cat([prompt, prompt.new_zeros(B, n_new)], dim=1)
     p = plan(policy, budget, replace(spec, compile=False), model.cfg.n_layer, tokens.shape[1])
     model.eval()
+    start = time.perf_counter()
     if p.path == "recompute":
-        return _generate_recompute(model, prompt, p.budgets[0] + 1, n_new, policy.n_sink)
+        out = _generate_recompute(model, prompt, p.budgets[0] + 1, n_new, policy.n_sink)
+        if clock is not None:
+            clock.decode_s += time.perf_counter() - start
+            clock.decode_steps += B * n_new
+        return out
     doc = doc if doc is not None else torch.arange(B, device=prompt.device)
     if spec.force_loop:  # the reference: the prompt token by token too
         _, _, filled = stream_loop(
@@ -286,6 +307,11 @@ def generate(
     n = tokens.shape[1] - 1
     loop = TokenLoop(model, policy, list(p.budgets), spec.position_mode, B, n, doc)
     prefill(model, prompt, loop, min(spec.block, BLOCK_STEPS))
+    decoding = time.perf_counter()
     for t in range(P - 1, n):
         tokens[:, t + 1] = loop.decode_one_token(tokens[:, t : t + 1], t).argmax(-1)
+    if clock is not None:
+        clock.prefill_s += decoding - start
+        clock.decode_s += time.perf_counter() - decoding
+        clock.decode_steps += B * n_new
     return tokens[:, P:]

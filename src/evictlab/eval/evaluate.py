@@ -19,7 +19,7 @@ from evictlab.cache.budget import budgets_for
 from evictlab.cache.policies import Policy, full_cache
 from evictlab.errors import ConfigError
 from evictlab.eval.caches import held_share
-from evictlab.eval.engine import StreamOutput, generate, stream
+from evictlab.eval.engine import DecodeClock, StreamOutput, generate, stream
 from evictlab.eval.full import FullAttention, FullReference, full_reference
 from evictlab.eval.progress import StreamProgress, duration
 from evictlab.eval.shared import SharedReferences
@@ -318,7 +318,9 @@ def greedy_divergence(
     return {"policy_tokens": p, "full_tokens": f, "first_divergence": first, "agreement": same.mean(1)}
 
 
-def greedy_answers(model, batch, policy: Policy, budget: int, spec: StreamSpec, length=None) -> list:
+def greedy_answers(
+    model, batch, policy: Policy, budget: int, spec: StreamSpec, length=None, clock: DecodeClock | None = None
+) -> list:
     """Per stream of an answer batch (RecallBatch, TaskBatch): the tokens greedy decoding writes under the
     policy from the stream's prompt (tokens[:, :answer_start]), answer_len of them, or `length(answer_len)`;
     streams whose prompts end at one position decode together, in batches (as many tokens as the longest
@@ -330,7 +332,8 @@ def greedy_answers(model, batch, policy: Policy, budget: int, spec: StreamSpec, 
             idx = torch.from_numpy(rows[r0 : r0 + spec.batch_size])
             want = batch.answer_len[idx.numpy()]
             want = want if length is None else length(want)
-            new = generate(model, batch.tokens[idx, :start], policy, budget, int(want.max()), spec, doc=idx)
+            prompt, most = batch.tokens[idx, :start], int(want.max())
+            new = generate(model, prompt, policy, budget, most, spec, doc=idx, clock=clock)
             for i, row, n in zip(idx.tolist(), new, want, strict=True):
                 out[i] = row[:n]
     return out
@@ -405,10 +408,12 @@ def task_accuracy(
     spec: StreamSpec = DEFAULT,
     result: EvalResult | None = None,
     decode=None,
+    clock: DecodeClock | None = None,
 ) -> pd.DataFrame:
     """Per task stream (data/tasks): the answer teacher-forced (token accuracy, exact match, NLL) and, for a
     policy that can generate, as written: greedy decoding under the policy from the prompt, `decode`d to
-    text and graded by the task (`exact`, `partial`). One row per stream."""
+    text and graded by the task (`exact`, `partial`). One row per stream. `clock` gets generation's
+    prefill and decode seconds."""
     result = result if result is not None else _teacher_forced(model, batch, policy, budget, spec)
     frame = pd.DataFrame(
         {
@@ -421,7 +426,7 @@ def task_accuracy(
         }
     )
     if decode is not None and policy.can_generate():
-        written = greedy_answers(model, batch, policy, budget, spec, task_decode_len)
+        written = greedy_answers(model, batch, policy, budget, spec, task_decode_len, clock)
         frame["written"] = [decode(w.tolist()) for w in written]
         graded = [batch.task.score(p, t) for p, t in zip(batch.problems, frame["written"], strict=True)]
         frame["exact"] = [e for e, _ in graded]
