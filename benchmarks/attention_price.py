@@ -10,9 +10,9 @@ accumulated attention, TOVA's last row) cannot run on it: it pays for the explic
 full cache and StreamingLLM read no weights and can. Each row: the same token loop (eval/loop.py), the same
 prompt prefilled on the blocked path (`--prompt` tokens of random ids, speed does not depend on the text),
 then `--steps` greedy decode steps timed; `kernel` is the loop's per-step attention, the engine's explicit
-one or SDPA swapped in (only for policies that read no weights). The SDPA rows must write the same tokens
-as the explicit ones (checked). Prints decode token-steps/s per row and each against the full cache's
-explicit row, best of `--repeats` passes; writes outputs/bench/attention_price.json.
+one or SDPA (`TokenLoop.fused_attention`, only for policies that read no weights). The SDPA rows must
+write the same tokens as the explicit ones (checked). Prints decode token-steps/s per row and each against
+the full cache's explicit row, best of `--repeats` passes; writes outputs/bench/attention_price.json.
 
 On a CPU the two kernels do the same work for one query (the loop's explicit attention is two batched
 matmuls, and masked SDPA was measured no faster for it, 2026-12-01), so the price is small here; on a GPU
@@ -26,7 +26,6 @@ import argparse
 import time
 
 import torch
-import torch.nn.functional as F
 
 from evictlab.cache import make_policy
 from evictlab.eval.blocked import prefill
@@ -38,14 +37,6 @@ from evictlab.store import git_info
 
 ROWS = [("full", "explicit"), ("full", "sdpa"), ("streaming_llm", "explicit"), ("streaming_llm", "sdpa")]
 ROWS += [("h2o", "explicit"), ("tova", "explicit")]
-
-
-def sdpa_attention(self, q, K, V, valid):
-    """TokenLoop.attention through the fused kernel: the same output, no weights (policies that read none)."""
-    B, H, _, D = q.shape
-    mask = None if valid is None else valid[:, :, None].repeat_interleave(H // K.shape[1], dim=1)
-    y = F.scaled_dot_product_attention(q, K, V, attn_mask=mask, enable_gqa=True)  # [B, H, 1, D]
-    return y.reshape(B, 1, H * D), None
 
 
 def load(name: str):
@@ -70,11 +61,9 @@ def decode(
     n = P + steps - 1
     p = plan(policy, budget, StreamSpec(force_loop=True), model.cfg.n_layer, n + 1)
     loop = TokenLoop(model, policy, list(p.budgets), PositionMode.original, B, n, torch.arange(B))
-    if kernel == "sdpa":
-        if policy.needs_attention:
-            raise ValueError(f"{policy_name} reads attention weights: no fused kernel")
-        loop.attention = sdpa_attention.__get__(loop)
     prefill(model, prompt, loop, BLOCK_STEPS)
+    if kernel == "sdpa":  # the same prefilled caches, decoded through the fused kernel
+        loop = loop.fork(fused=True)
     tokens = torch.cat([prompt, prompt.new_zeros(B, steps)], 1)
     start = time.perf_counter()
     for t in range(P - 1, n):

@@ -12,7 +12,7 @@ import torch
 from evictlab.cache import POLICIES, make_policy
 from evictlab.errors import ConfigError
 from evictlab.eval import StreamSpec, naive_stream, stream
-from evictlab.eval.engine import generate
+from evictlab.eval.engine import DecodeClock, generate
 from evictlab.eval.evaluate import greedy_divergence
 from evictlab.models.gpt import GPT, GPTConfig
 
@@ -52,6 +52,43 @@ def test_budget_covering_the_sequence_generates_like_the_full_cache(model, name)
     prompt = torch.randint(0, 30, (2, 10))
     full = generate(model, prompt, make_policy("full"), 8, 6)
     torch.testing.assert_close(generate(model, prompt, make_policy(name), 20, 6), full)
+
+
+@pytest.mark.parametrize("name", ["full", "streaming_llm", "window", "h2o"])
+def test_the_clock_times_prefill_and_decode_and_the_fused_kernel_writes_the_same_tokens(model, name):
+    """generate(clock=DecodeClock(fused=True)): the decode's token-steps, and for a policy that reads no
+    attention weights the same steps again through SDPA from a fork of the prefilled caches, which writes
+    the same tokens (and leaves the explicit continuation as it was without the fork)."""
+    prompt = torch.randint(0, 30, (3, 40))
+    clock = DecodeClock(fused=True)
+    out = generate(model, prompt, make_policy(name), 8, 6, StreamSpec(block=16), clock=clock)
+    assert torch.equal(out, generate(model, prompt, make_policy(name), 8, 6, StreamSpec(block=16)))
+    assert clock.decode_steps == 18 and clock.decode_s > 0 and clock.prefill_s > 0
+    if make_policy(name).needs_attention:
+        assert clock.fused_rows == 0 and clock.fused_rate() != clock.fused_rate()  # NaN: not measured
+    else:
+        assert clock.fused_steps == 18 and clock.fused_rows == 3 and clock.fused_same_rows == 3
+
+
+@torch.no_grad()  # as every engine path runs
+def test_a_fork_goes_on_apart_and_policies_that_read_weights_have_no_fused_kernel(model):
+    from evictlab.eval.engine import plan
+    from evictlab.eval.loop import TokenLoop
+    from evictlab.eval.spec import PositionMode
+
+    policy = make_policy("h2o")
+    p = plan(policy, 8, StreamSpec(force_loop=True), model.cfg.n_layer, 20)
+    loop = TokenLoop(model, policy, list(p.budgets), PositionMode.original, 2, 19, torch.arange(2))
+    tokens = torch.randint(0, 30, (2, 20))
+    for t in range(10):
+        loop.decode_one_token(tokens[:, t : t + 1], t)
+    twin = loop.fork()
+    assert twin.model is loop.model and twin.caches[0].k is not loop.caches[0].k
+    a = [loop.decode_one_token(tokens[:, t : t + 1], t) for t in range(10, 19)]
+    b = [twin.decode_one_token(tokens[:, t : t + 1], t) for t in range(10, 19)]
+    torch.testing.assert_close(torch.stack(a), torch.stack(b), rtol=0, atol=0)
+    with pytest.raises(ConfigError, match="reads attention weights"):
+        loop.fork(fused=True)
 
 
 def test_policies_that_cannot_generate_say_why(model):

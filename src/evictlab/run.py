@@ -214,7 +214,7 @@ class RunStages:
                 rec = recall_accuracy(model, answers, policy, budget, spec, res, self.cfg.eval.recall_greedy)
                 metrics |= self.recall_metrics(rec)
             elif isinstance(answers, TaskBatch):
-                decoding = DecodeClock()
+                decoding = DecodeClock(fused=True)  # weight-free policies: the fused kernel's rate too
                 decode = corpus.tokenizer.decode
                 graded = task_accuracy(model, answers, policy, budget, spec, res, decode, decoding)
                 metrics |= self.task_metrics(graded, decoding)
@@ -346,7 +346,9 @@ class RunStages:
     def task_metrics(self, graded: pd.DataFrame, decoding: DecodeClock) -> dict[str, Any]:
         """tasks.parquet (one row per task stream) and the run's means: teacher-forced exact match and
         answer NLL, and where the policy wrote its answers, exact and partial credit and how fast it
-        wrote them (decode token-steps/s through the token loop, the prompts' prefill seconds)."""
+        wrote them (decode token-steps/s through the token loop, the prompts' prefill seconds; for a
+        policy that reads no attention weights, also through the fused kernel from the same caches, and
+        the share of answers it wrote identically)."""
         _write_table(self.out / R.TASKS, graded)
         metrics = {
             "task_exact_teacher_forced": float(graded["exact_teacher_forced"].mean()),
@@ -359,6 +361,11 @@ class RunStages:
                 "decode_token_steps_per_s": decoding.rate(),
                 "prefill_s": decoding.prefill_s,
             }
+            if decoding.fused_rows:
+                metrics |= {
+                    "decode_token_steps_per_s_fused": decoding.fused_rate(),
+                    "fused_same_tokens": decoding.fused_same_rows / decoding.fused_rows,
+                }
         return metrics
 
     def recall_metrics(self, rec: pd.DataFrame) -> dict[str, Any]:

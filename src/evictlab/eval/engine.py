@@ -239,13 +239,21 @@ class DecodeClock:
     """Where generation's time goes, summed over `generate` calls: the prompt (its blocked-path prefill)
     and the new tokens, one step at a time through the token loop (the rate a deployment decodes at)."""
 
+    fused: bool = False  # also decode through the fused kernel (TokenLoop.fork), where the policy can
     prefill_s: float = 0.0
     decode_s: float = 0.0
     decode_steps: int = 0  # token-steps decoded: rows x new tokens
+    fused_s: float = 0.0  # the same steps from the same prefilled caches through the fused kernel
+    fused_steps: int = 0
+    fused_rows: int = 0
+    fused_same_rows: int = 0  # of them, those whose fused continuation is the explicit one's, token for token
 
     def rate(self) -> float:
         """Decode token-steps per second (NaN before any)."""
         return self.decode_steps / self.decode_s if self.decode_s > 0 else float("nan")
+
+    def fused_rate(self) -> float:
+        return self.fused_steps / self.fused_s if self.fused_s > 0 else float("nan")
 
 
 @torch.no_grad()
@@ -307,11 +315,25 @@ def generate(
     n = tokens.shape[1] - 1
     loop = TokenLoop(model, policy, list(p.budgets), spec.position_mode, B, n, doc)
     prefill(model, prompt, loop, min(spec.block, BLOCK_STEPS))
+    fused = clock is not None and clock.fused and not policy.needs_attention
+    twin = loop.fork(fused=True) if fused else None  # (before the explicit decode moves the caches on)
     decoding = time.perf_counter()
-    for t in range(P - 1, n):
-        tokens[:, t + 1] = loop.decode_one_token(tokens[:, t : t + 1], t).argmax(-1)
+    _decode(loop, tokens, P - 1, n)
     if clock is not None:
         clock.prefill_s += decoding - start
         clock.decode_s += time.perf_counter() - decoding
         clock.decode_steps += B * n_new
+    if twin is not None:
+        again, t0 = tokens.clone(), time.perf_counter()
+        _decode(twin, again, P - 1, n)
+        clock.fused_s += time.perf_counter() - t0
+        clock.fused_steps += B * n_new
+        clock.fused_rows += B
+        clock.fused_same_rows += int((again[:, P:] == tokens[:, P:]).all(1).sum())
     return tokens[:, P:]
+
+
+def _decode(loop: TokenLoop, tokens: torch.Tensor, first: int, n: int) -> None:
+    """Greedy steps first .. n-1 in place: each writes its argmax as the next token."""
+    for t in range(first, n):
+        tokens[:, t + 1] = loop.decode_one_token(tokens[:, t : t + 1], t).argmax(-1)

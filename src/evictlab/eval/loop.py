@@ -16,6 +16,7 @@ after step t-1 (at most `budget`) plus itself; then the cache is evicted back to
 
 from __future__ import annotations
 
+import copy
 import time
 import warnings
 
@@ -24,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from evictlab.cache.policies import Policy, StepContext, choose_victim
+from evictlab.errors import ConfigError
 from evictlab.eval.caches import SlotCache, ranks
 from evictlab.eval.full import FullReference, Tick, gather_rows, token_metrics
 from evictlab.eval.spec import PositionMode
@@ -207,6 +209,25 @@ class TokenLoop:
         if not self.policy.needs_attention:
             return y, None
         return y, (w[:, :, 0] if self.groups == 1 else w.mean(2))
+
+    def fused_attention(self, q, K, V, valid) -> tuple[torch.Tensor, None]:
+        """`attention` through torch's fused kernel (scaled_dot_product_attention; FlashAttention on a GPU):
+        the same output without the weights, which it never materialises. For policies that read none."""
+        B, H, _, D = q.shape
+        mask = None if valid is None else valid[:, :, None].repeat_interleave(self.groups, dim=1)
+        y = F.scaled_dot_product_attention(q, K, V, attn_mask=mask, enable_gqa=True)  # [B, H, 1, D]
+        return y.reshape(B, 1, H * D), None
+
+    def fork(self, fused: bool = False) -> TokenLoop:
+        """A copy whose caches and policy state go on apart from this loop's (the model and policy are
+        shared); `fused`: the copy attends through `fused_attention` (a policy that reads attention
+        weights cannot: H2O, TOVA, Scissorhands)."""
+        if fused and self.policy.needs_attention:
+            raise ConfigError(f"{self.policy.name} reads attention weights: no fused attention kernel")
+        twin = copy.deepcopy(self, {id(self.model): self.model, id(self.policy): self.policy})
+        if fused:
+            twin.attention = twin.fused_attention
+        return twin
 
     def evict(
         self,
