@@ -203,7 +203,18 @@ def synthetic_runs() -> pd.DataFrame:
     s["kv_bytes"] = s["budget"] * 4096
     s["token_steps_per_s"] = np.where(s["strategy"] == "h2o", 3000.0, 20000.0)
     s["policy_time_share"] = np.where(s["strategy"] == "h2o", 0.2, 0.0)
+    full = s[s["strategy"] == "full"].groupby(["position_mode", "seed"])["ppl"].mean().rename("ppl_full")
+    s = s.merge(full.reset_index(), on=["position_mode", "seed"], how="left")
     return with_facts(s)
+
+
+def synthetic_task_runs() -> pd.DataFrame:
+    """synthetic_runs as a task sweep: answers' exact share, decode rates, SDPA rates where no weights."""
+    s = synthetic_runs()
+    s["task_exact"] = np.where(s["strategy"] == "full", 0.8, 0.2 + s["budget"] / 200)
+    s["decode_token_steps_per_s"] = np.where(s["strategy"] == "h2o", 40.0, 60.0)
+    s["decode_token_steps_per_s_fused"] = np.where(s["strategy"] == "h2o", np.nan, 90.0)
+    return s
 
 
 def synthetic_layers() -> pd.DataFrame:
@@ -254,6 +265,8 @@ FIGS = [
     ("nll_vs_position", lambda: F.nll_vs_position(synthetic_curves(), 16), "token position", "NLL"),
     ("quality_vs_memory", lambda: F.quality_vs_memory(synthetic_runs()), "KV cache held", "perplexity"),
     ("throughput", lambda: F.throughput(synthetic_runs()), "token-steps / s", ""),
+    ("tradeoff", lambda: F.tradeoff(synthetic_runs()), "KV cache held", "perplexity"),
+    ("tradeoff_tasks", lambda: F.tradeoff(synthetic_task_runs()), "KV cache held", "answers written"),
     ("first4_mass", lambda: F.first4_mass(synthetic_layers()), "layer", "% attention"),
     ("position_modes", lambda: F.position_modes(synthetic_streams()), "", "perplexity"),
     ("attention_heatmap", lambda: F.attention_heatmap(synthetic_attention()), "key position", "layer"),
@@ -276,6 +289,21 @@ def test_figure_functions(name, make, xlabel, ylabel, tmp_path: Path):
         fig.savefig(tmp_path / f"{name}.{ext}")
         assert (tmp_path / f"{name}.{ext}").stat().st_size > 1000
     plt.close(fig)
+
+
+def test_pareto_front_keeps_the_points_nothing_beats_on_both_axes():
+    x, y = np.array([1, 2, 3, 4, 5.0]), np.array([0.2, 0.1, 0.5, 0.5, 0.9])
+    assert F.pareto_front(x, y, x_low=True).tolist() == [0, 2, 4]  # less memory, more quality
+    assert F.pareto_front(x, y, x_low=False).tolist() == [4]  # faster and better: the last beats all
+
+
+def test_the_tradeoff_figure_draws_the_fused_rate_beside_the_explicit_one():
+    fig = F.tradeoff(synthetic_task_runs())
+    speed = fig.axes[1]
+    assert "decode token-steps" in speed.get_xlabel() and "SDPA" in speed.get_xlabel()
+    xs = {round(float(x), 3) for line in speed.get_lines() for x in np.atleast_1d(line.get_xdata())}
+    assert {40.0, 60.0, 90.0} <= xs  # H2O's explicit rate; the others' explicit and fused rates
+    assert "answers written exactly" in fig.axes[0].get_ylabel()
 
 
 def test_policy_order_labels_and_colours_come_from_the_tables():

@@ -489,6 +489,93 @@ def quality_vs_memory(runs: pd.DataFrame, mode: str = "original") -> Figure:
     return _finish(fig, ax, "KV cache held per sequence [KiB]", "perplexity", title)
 
 
+def pareto_front(x: np.ndarray, y: np.ndarray, x_low: bool) -> np.ndarray:
+    """Indices of the points no other point beats on both axes (y higher is better; x lower is better when
+    `x_low`, else higher), ordered along x."""
+    x, y = np.asarray(x, float), np.asarray(y, float)
+    order = np.argsort(x if x_low else -x, kind="stable")
+    front, best = [], -np.inf
+    for i in order:
+        if y[i] > best:
+            front.append(i)
+            best = y[i]
+    return np.array(front, dtype=int)
+
+
+def _tradeoff_quality(runs: pd.DataFrame) -> tuple[pd.Series, str]:
+    """Quality, higher better: a task run's share of answers written exactly, else the full cache's
+    perplexity over the policy's (1 = no cost)."""
+    if "task_exact" in runs and runs["task_exact"].notna().any():
+        return runs["task_exact"], "answers written exactly (share)"
+    return runs["ppl_full"] / runs["ppl"], "quality: full-cache perplexity / the policy's (1 = no cost)"
+
+
+def _tradeoff_points(ax, P, r: pd.DataFrame, x: str) -> None:
+    """One panel's points: each policy's runs (the full cache starred, non-causal ones hollow) and, on the
+    speed panel, the fused-kernel rate as an open marker joined to the explicit one."""
+    for name in P.ordered(r["strategy"]):
+        g = r[r["strategy"] == name].sort_values("budget")
+        look = {"marker": "*", "ms": 11} if P.is_reference(name) else {"marker": P.marker(name), "ms": 5}
+        face = "none" if name in P.non_causal else P.color(name)
+        color = P.color(name)
+        ax.plot(g[x], g["quality"], ls="none", color=color, label=P.label(name), mfc=face, **look)
+        if x == "speed":
+            for _, row in g.dropna(subset=["fused"]).iterrows():
+                ax.plot([row["speed"], row["fused"]], [row["quality"]] * 2, color=color, lw=0.7)
+                ax.plot(row["fused"], row["quality"], ls="none", mfc="white", color=color, **look)
+
+
+def _tradeoff_front(ax, P, r: pd.DataFrame, x: str) -> None:
+    """The Pareto front of the causal policies' points (on the speed panel, fused rates count too)."""
+    causal = r[~r["strategy"].isin(P.non_causal)]
+    pts = causal[[x, "quality"]].to_numpy()
+    if x == "speed":
+        pts = np.vstack([pts, causal.dropna(subset=["fused"])[["fused", "quality"]].to_numpy()])
+    pts = pts[np.isfinite(pts).all(1)]
+    if len(pts):
+        front = pts[pareto_front(pts[:, 0], pts[:, 1], x_low=x == "kv_kib")]
+        ax.plot(
+            front[:, 0], front[:, 1], color="k", lw=0.8, alpha=0.5, ls="--", label="Pareto front (causal)"
+        )
+
+
+@figure("runs", applies=_has("runs", "kv_bytes"), auto=_mode_arg)
+def tradeoff(runs: pd.DataFrame, mode: str = "original") -> Figure:
+    """Each policy x budget: quality against the KV memory it holds (left) and against how fast it runs
+    (right: decode token-steps/s through the token loop where the runs wrote answers, else the teacher-
+    forced stream's token-steps/s), the full cache starred, the Pareto front of the causal policies
+    marked. Where a run also decoded through the fused kernel (policies that read no attention weights),
+    an open marker at that rate, joined to its explicit-attention point: the speed H2O and TOVA give up."""
+    P = Policies(runs)
+    r = runs[runs["position_mode"] == mode].copy()
+    r["quality"], ylabel = _tradeoff_quality(r)
+    decode = "decode_token_steps_per_s" in r and r["decode_token_steps_per_s"].notna().any()
+    r["speed"] = r["decode_token_steps_per_s"] if decode else r["token_steps_per_s"]
+    r["fused"] = r.get("decode_token_steps_per_s_fused", pd.Series(np.nan, index=r.index))
+    r["kv_kib"] = r["kv_bytes"] / 1024
+    r = r.groupby(["strategy", "budget"], as_index=False)[["kv_kib", "quality", "speed", "fused"]].mean()
+    fig, axes = _subplots(1, 2, figsize=(11.0, 4.4), sharey=True)
+    for ax, x in zip(axes, ("kv_kib", "speed"), strict=True):
+        _tradeoff_points(ax, P, r, x)
+        _tradeoff_front(ax, P, r, x)
+        ax.set_xscale("log")
+        ax.xaxis.set_major_formatter(mticker.StrMethodFormatter("{x:,.0f}"))
+        ax.xaxis.set_minor_formatter(mticker.NullFormatter())
+        ax.grid(alpha=0.3)
+    kv = sorted(r["kv_kib"].unique())
+    axes[0].set_xticks(kv if len(kv) <= 6 else kv[:: -(-len(kv) // 6)])
+    axes[0].set_xlabel("KV cache held per sequence [KiB]")
+    speed = "decode token-steps / s" if decode else "teacher-forced token-steps / s (no decode measured)"
+    fused = "\nopen markers: the same decode through SDPA" if r["fused"].notna().any() else ""
+    axes[1].set_xlabel(speed + fused)
+    axes[0].set_ylabel(ylabel)
+    fig.suptitle(f"Quality vs memory and speed ({mode} positions)\n{subject_caption(runs)}", fontsize=10)
+    handles, labels = axes[0].get_legend_handles_labels()
+    axes[1].legend(handles, labels, fontsize=8, loc="upper left", bbox_to_anchor=(1.02, 1.0), frameon=False)
+    fig.tight_layout()
+    return fig
+
+
 @figure("runs", applies=_has("runs", "token_steps_per_s"))
 def throughput(runs: pd.DataFrame) -> Figure:
     """Token-steps per second per policy (log scale; median over runs, whiskers from the slowest to the
