@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 import pytest
 import torch
@@ -111,6 +112,33 @@ def test_divergence_summary(model):
     assert (greedy_divergence(model, tokens, make_policy("full"), 4, 12)["agreement"] == 1).all()
     with pytest.raises(ConfigError, match="cannot generate"):
         generate(model, tokens[:, :5], make_policy("oracle"), 4, 3)
+
+
+def test_the_full_caches_continuation_is_computed_once_per_sweep(model, tmp_path: Path, monkeypatch):
+    """With a SharedReferences store the first run writes the full cache's continuations and the next
+    reads them (the same tokens), computing only its own policy's."""
+    from evictlab.eval import evaluate as E
+    from evictlab.eval.shared import SharedReferences
+
+    tokens, spec = torch.randint(0, 30, (3, 40)), StreamSpec(batch_size=2)
+    first = SharedReferences(tmp_path, "ck:abc")
+    a = greedy_divergence(model, tokens, make_policy("window"), 4, 12, spec, first)
+    assert (first.computed, first.read) == (2, 0)  # two batches
+    calls = []
+    real = E.generate
+    monkeypatch.setattr(
+        E, "generate", lambda m, p, pol, *a, **k: calls.append(pol.name) or real(m, p, pol, *a, **k)
+    )
+    second = SharedReferences(tmp_path, "ck:abc")
+    b = greedy_divergence(model, tokens, make_policy("h2o"), 4, 12, spec, second)
+    assert (second.computed, second.read) == (0, 2) and calls == ["h2o", "h2o"]
+    assert np.array_equal(a["full_tokens"], b["full_tokens"])
+    assert np.array_equal(
+        b["full_tokens"], greedy_divergence(model, tokens, make_policy("h2o"), 4, 12, spec)["full_tokens"]
+    )
+    other = SharedReferences(tmp_path, "ck:other")  # another checkpoint: its own entries
+    greedy_divergence(model, tokens, make_policy("h2o"), 4, 12, spec, other)
+    assert other.computed == 2
 
 
 def test_run_records_generations(tmp_path: Path):

@@ -220,7 +220,7 @@ class RunStages:
                 metrics |= self.task_metrics(graded, decoding)
             generations = None
             if self.cfg.eval.generate_tokens and policy.can_generate():
-                generations, extra = self.generation(model, tokens, corpus)
+                generations, extra = self.generation(model, tokens, corpus, shared)
                 metrics |= extra
         with clock("tracking"):
             self.track(metrics | clock.seconds(), curve, generations)
@@ -378,11 +378,12 @@ class RunStages:
             metrics["recall_exact_greedy"] = float(rec["exact_greedy"].mean())
         return metrics
 
-    def generation(self, model: GPT, tokens: torch.Tensor, corpus: Corpus):
-        """Greedy continuations under the policy and the full cache -> (their table, metrics)."""
+    def generation(self, model: GPT, tokens: torch.Tensor, corpus: Corpus, shared: SharedReferences | None):
+        """Greedy continuations under the policy and the full cache (shared by a sweep's runs) -> (their
+        table, metrics)."""
         cfg, n_new = self.cfg, self.cfg.eval.generate_tokens
         g = greedy_divergence(
-            model, tokens, cfg.strategy.build(), cfg.resolved_budget, n_new, cfg.eval.spec()
+            model, tokens, cfg.strategy.build(), cfg.resolved_budget, n_new, cfg.eval.spec(), shared
         )
         decode = corpus.tokenizer.decode
         full, ours = [decode(r) for r in g["full_tokens"]], [decode(r) for r in g["policy_tokens"]]

@@ -298,11 +298,18 @@ def evaluate(
 
 
 def greedy_divergence(
-    model: GPT, tokens: torch.Tensor, policy: Policy, budget: int, n_new: int, spec: StreamSpec = DEFAULT
+    model: GPT,
+    tokens: torch.Tensor,
+    policy: Policy,
+    budget: int,
+    n_new: int,
+    spec: StreamSpec = DEFAULT,
+    shared: SharedReferences | None = None,
 ) -> dict[str, np.ndarray]:
     """Greedy continuations of each stream's first T - n_new tokens under the policy and under the full
     cache: per stream, the first step where they differ (n_new if never) and the share of steps that
-    agree, plus both token arrays [N, n_new]."""
+    agree, plus both token arrays [N, n_new]. The full cache's continuations come from `shared` where
+    another run of the sweep has written them."""
     N, T = tokens.shape
     if not 1 <= n_new < T:
         raise ConfigError(f"eval.generate_tokens={n_new} must be in [1, eval.stream_len)")
@@ -311,7 +318,8 @@ def greedy_divergence(
         prompt = tokens[b0 : b0 + spec.batch_size, : T - n_new]
         doc = torch.arange(b0, b0 + prompt.shape[0], device=tokens.device)
         ours.append(generate(model, prompt, policy, budget, n_new, spec, doc=doc))
-        theirs.append(generate(model, prompt, full_cache(), budget, n_new, spec, doc=doc))
+        full = lambda p=prompt, d=doc: generate(model, p, full_cache(), budget, n_new, spec, doc=d)  # noqa: E731
+        theirs.append(full() if shared is None else shared.continuation(model, prompt, n_new, full))
     p, f = torch.cat(ours).cpu().numpy(), torch.cat(theirs).cpu().numpy()
     same = p == f
     first = np.where(same.all(1), n_new, np.argmin(same, axis=1))

@@ -102,6 +102,32 @@ class SharedReferences:
             write_atomic(path, lambda p: save_file(tensors, str(p)))
             return ref
 
+    def continuation(
+        self, model: GPT, prompt: torch.Tensor, n_new: int, compute: Callable[[], torch.Tensor]
+    ) -> torch.Tensor:
+        """The full cache's greedy continuation [B, n_new] of prompt [B, P] (eval.generate_tokens: every
+        run of a sweep compares its own with it), read from the store or `compute()`d and stored."""
+        tokens = hashlib.sha256(prompt.detach().cpu().numpy().tobytes()).hexdigest()
+        dtype = str(model.wte.weight.dtype)
+        key = {"checkpoint": self.checkpoint, "tokens": tokens, "shape": list(prompt.shape), "dtype": dtype}
+        path = (
+            self.root
+            / f"generate-{stable_hash({**key, 'n_new': n_new, 'device': prompt.device.type})}.safetensors"
+        )
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with file_lock(path):
+            try:
+                stored = load_file(str(path))["tokens"] if path.exists() else None
+            except Exception:  # damaged: computed again
+                stored = None
+            if stored is not None and tuple(stored.shape) == (prompt.shape[0], n_new):
+                self.read += 1
+                return stored.to(prompt.device)
+            out = compute()
+            self.computed += 1
+            write_atomic(path, lambda p: save_file({"tokens": out.detach().cpu().contiguous()}, str(p)))
+            return out
+
     @staticmethod
     def _load(path: Path, layers: int, shape: tuple[int, int]) -> dict[str, torch.Tensor] | None:
         """The stored tensors, or None if absent, unreadable or not what the request needs (then recomputed
