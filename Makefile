@@ -11,7 +11,7 @@ LAUNCHER ?= local
 OUT ?= $(or $(EVICTLAB_OUTPUTS),outputs)
 
 .DEFAULT_GOAL := help
-.PHONY: help install test test-fast test-slurm lint format train run sweep smoke paper verify noise aggregate tables figures report print-config sync bench bench-long clean-cache
+.PHONY: help install test test-fast test-slurm lint format train run sweep smoke paper verify noise aggregate tables figures report calibrate print-config sync bench bench-long clean-cache
 
 help: ## List every target with one line each
 	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z_-]+:.*## / {printf "  make %-12s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
@@ -82,6 +82,9 @@ report: ## Aggregate a sweep, then its figures + HTML report: make report EXP=de
 
 smoke: ## A small sweep on a tiny model (EXP=smoke; 37 s measured)
 	$(MAKE) sweep EXP=smoke
+
+calibrate: ## The full cache's written-answer score per task and context into experiments/smollm2_tasks/calibration.csv: make calibrate ARGS="--tasks niah_multikey --lengths 2048"
+	$(PY) -m evictlab.calibrate --out experiments/smollm2_tasks/calibration.csv model=smollm2_135m dataset=man_pinned $(ARGS)
 
 print-config: ## Print the job config of EXP, then its sweep grid, without running anything
 	$(PY) -m evictlab.run +experiment=$(EXP) --cfg job $(ARGS)
