@@ -11,6 +11,10 @@ imported families use with partial rotary and smeared keys; plus learned absolut
 position modes, the fast path and the token loop; and SmolLM2-135M (model=smollm2_135m, float32, 2
 random streams of 129 tokens, budget 32, the fast path, both modes). Per stream: NLL, KL, agreement,
 occupancy and the last step attending to positions 0-3.
+
+The script is self-contained on purpose (its model matrix restates tests/test_policies.py's VARIANTS
+rather than importing it): `dump` runs against an older checkout's src, which may predate any shared
+helper, and the same script must build the same models at both commits.
 """
 
 from __future__ import annotations
