@@ -111,6 +111,40 @@ def test_written_answers_are_graded_and_match_the_teacher_forced_answer(tiny_che
     assert "written" not in no_text and np.isfinite(no_text["answer_nll"]).all()
 
 
+@pytest.mark.parametrize("policy", ["full", "window", "streaming_llm", "h2o", "tova", "random"])
+def test_the_answer_path_writes_the_answers_generate_writes_and_streams_as_the_plain_pass(
+    tiny_checkpoint, corpus, policy
+):
+    """One pass for a task run (the prompt on the blocked path, then a fork writes the answers while the
+    stream goes on teacher-forced) gives the plain evaluation's per-token metrics, held shares and
+    occupancy, and the tokens `generate` writes from the same prompts."""
+    from evictlab.eval.evaluate import evaluate, greedy_answers, task_answers
+
+    model = tiny_checkpoint.model
+    b = task_streams(corpus, "niah_multiquery", 3, 800, sink_token=False, seed=1)
+    pol, spec = make_policy(policy), StreamSpec(batch_size=2, block=64)
+    plain = evaluate(model, b.tokens, pol, 48, spec)
+    clock = DecodeClock(fused=True)
+    one = evaluate(model, b.tokens, pol, 48, spec, answers=task_answers(b, clock))
+    assert one.summary["path"] == "answer" and plain.written is None
+    for name in ("nll", "correct", "kl", "agree"):
+        np.testing.assert_allclose(
+            one.per_token[name], plain.per_token[name], rtol=0, atol=2e-5, err_msg=name
+        )
+    assert one.summary["occupancy_max"] == plain.summary["occupancy_max"]
+    held = lambda r: r.layers[r.layers["metric"].str.startswith("held_p")]["value"].to_numpy()  # noqa: E731
+    np.testing.assert_allclose(held(one), held(plain), atol=1e-9)
+    want = greedy_answers(model, b, pol, 48, spec, task_decode_len)
+    n_new = task_decode_len(b.answer_len).max()
+    assert one.written.shape == (3, n_new)
+    for row, w in zip(one.written, want, strict=True):
+        assert row[: len(w)].tolist() == w.tolist()
+    assert clock.decode_steps == 3 * n_new and clock.prefill_s > 0
+    assert clock.fused_rows == (0 if pol.needs_attention else 3)
+    graded = task_accuracy(model, b, pol, 48, spec, one, tok_decode := corpus.tokenizer.decode)
+    assert graded["written"].tolist() == [tok_decode(w.tolist()) for w in want]
+
+
 def test_chatml_needs_a_tokenizer_with_the_chat_tokens(corpus, tmp_path):
     with pytest.raises(ConfigError, match="task_template=chatml needs a tokenizer"):
         task_streams(corpus, "niah_multikey", 1, 1000, sink_token=False, template="chatml")

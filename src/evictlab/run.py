@@ -46,6 +46,7 @@ from evictlab.eval.evaluate import (
     greedy_divergence,
     recall_accuracy,
     task_accuracy,
+    task_answers,
 )
 from evictlab.eval.shared import SharedReferences
 from evictlab.eval.sinks import PRETRAINED_CONTEXT, cached_sink_metrics
@@ -191,8 +192,10 @@ class RunStages:
         policy, budget, spec = self.cfg.strategy.build(), self.cfg.resolved_budget, self.cfg.eval.spec()
         checkpoint = f"{ck.path.name}:{ck.meta.get('weights_sha256', '')}"
         shared = self.shared_references(ck)
-        with clock("evaluate"):
-            res = evaluate(model, tokens, policy, budget, spec, shared)
+        decoding = DecodeClock(fused=True)  # weight-free policies: the fused kernel's rate too
+        writing = task_answers(answers, decoding) if isinstance(answers, TaskBatch) else None
+        with clock("evaluate"):  # (a task's answers are written in the same pass: the answer path)
+            res = evaluate(model, tokens, policy, budget, spec, shared, writing)
         if not math.isfinite(res.summary["ppl"]):
             bad = int((~np.isfinite(res.per_token["nll"])).sum())
             ppl = res.summary["ppl"]
@@ -214,7 +217,6 @@ class RunStages:
                 rec = recall_accuracy(model, answers, policy, budget, spec, res, self.cfg.eval.recall_greedy)
                 metrics |= self.recall_metrics(rec)
             elif isinstance(answers, TaskBatch):
-                decoding = DecodeClock(fused=True)  # weight-free policies: the fused kernel's rate too
                 decode = corpus.tokenizer.decode
                 graded = task_accuracy(model, answers, policy, budget, spec, res, decode, decoding)
                 metrics |= self.task_metrics(graded, decoding)

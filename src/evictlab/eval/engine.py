@@ -14,6 +14,9 @@ exact (tests/test_policies.py holds each equal to the naive loop):
   ``spec.compile`` (its steady step compiled), and generation.
 * **recompute** - policies that keep no cache (`recompute`): every prediction is a fresh forward over the
   last budget+1 tokens, run as batched forwards over the windows of a block of steps.
+* **answer** - a stream that also writes answers (`Answers`, the long-context tasks), for every policy that
+  can generate: the prompt on the blocked path, then a fork of its caches decodes the answer while the
+  stream goes on teacher-forced through the token loop; the prompt runs once for both.
 
 Step t processes the token at position t and predicts token t+1 (t = 0 .. T-2). The query attends to
 the entries kept after step t-1 (at most `budget`) plus itself; then the cache is evicted to budget.
@@ -30,9 +33,10 @@ import torch
 from evictlab.cache.budget import budgets_for
 from evictlab.cache.policies import Policy
 from evictlab.errors import ConfigError
+from evictlab.eval import blocked
 from evictlab.eval.blocked import prefill, stream_blocked
 from evictlab.eval.caches import last_attended
-from evictlab.eval.full import FullReference, Tick
+from evictlab.eval.full import FullReference, Recorder, Tick
 from evictlab.eval.loop import TokenLoop, stream_loop
 from evictlab.eval.spec import DEFAULT, PositionMode, StreamSpec, check_positions, sampled_steps
 from evictlab.eval.static import stream_recompute, stream_static
@@ -64,7 +68,7 @@ class StreamOutput:
     nll: torch.Tensor  # [B, n] per predicted token
     correct: torch.Tensor  # [B, n] 1 where the policy's top-1 prediction is the true token
     occupancy: torch.Tensor  # [n, L] entries held after each step
-    path: str  # parallel | blocked | loop | recompute (Plan.path)
+    path: str  # parallel | blocked | loop | recompute | answer (Plan.path)
     budgets: list[int]  # per layer
     kl: torch.Tensor | None = None  # [B, n] KL(p_full || p_policy)
     agree: torch.Tensor | None = None  # [B, n] top-1 agreement with the full cache
@@ -77,13 +81,25 @@ class StreamOutput:
     policy_seconds: float = 0.0  # time inside policy scoring and victim selection
     compile_seconds: float = 0.0  # torch.compile of the loop's steady step (spec.compile), part of `seconds`
     kept: list[torch.Tensor] = field(default_factory=list)  # per layer [B, Hkv, S] final positions (loop)
+    written: torch.Tensor | None = None  # [B, n_new] greedy answers (the answer path, `Answers`)
+
+
+@dataclass
+class Answers:
+    """Answers to write while streaming (the long-context tasks): every row's prompt ends at `prompt_end`
+    (tokens[:, :prompt_end]) and `n_new` tokens are decoded greedily from it under the policy. On the answer
+    path the prompt then runs once for both the teacher-forced stream and the written answers."""
+
+    prompt_end: int
+    n_new: int
+    clock: DecodeClock | None = None  # where the writing's time goes (DecodeClock, below)
 
 
 @dataclass(frozen=True)
 class Plan:
     """How one stream runs, decided before any work (`plan`); metrics.json records `path` and `block`."""
 
-    path: str  # parallel | blocked | loop | recompute
+    path: str  # parallel | blocked | loop | recompute | answer
     budgets: tuple[int, ...]  # KV entries each layer keeps between steps
     block: int  # steps per block (queries per block on the parallel path); 1 on the token loop
     compiled: bool = False  # the loop's steady step through torch.compile
@@ -91,9 +107,25 @@ class Plan:
     windows: tuple[tuple[int, int | None], ...] | None = None
 
 
-def plan(policy: Policy, budget: int, spec: StreamSpec, n_layer: int, T: int, width: int = 0) -> Plan:
+def plan(
+    policy: Policy,
+    budget: int,
+    spec: StreamSpec,
+    n_layer: int,
+    T: int,
+    width: int = 0,
+    answers: Answers | None = None,
+) -> Plan:
     """The path, per-layer budgets and block size of a stream of T tokens through a model of `n_layer`
-    layers and hidden size `width`: the engine's one decision."""
+    layers and hidden size `width` (and `answers` to write on the way): the engine's one decision."""
+    if (
+        answers is not None
+        and policy.can_generate()
+        and not (policy.recompute or spec.force_loop or spec.compile)
+    ):
+        T = max(T, answers.prompt_end + answers.n_new)  # the caches hold the written tokens too
+        budgets = tuple(budgets_for(n_layer, policy, budget, spec.allocation, T - 1))
+        return Plan("answer", budgets, min(spec.block, BLOCK_STEPS))
     budgets = tuple(budgets_for(n_layer, policy, budget, spec.allocation, T - 1))
     if policy.recompute:
         if len(set(budgets)) != 1:
@@ -187,11 +219,54 @@ def run_loop(
     return _cache_output(per_token, loop, p, lost=lost, compile_seconds=loop.compile_seconds)
 
 
+@torch.no_grad()
+def run_answer(
+    model, tokens, policy, p: Plan, reference, doc, spec: StreamSpec, tick: Tick | None = None, answers=None
+) -> StreamOutput:
+    """The blocked path that writes answers on the way: the prompt's steps (0 .. P-2) on the blocked path,
+    then a fork of its caches decodes `answers.n_new` tokens greedily while the stream goes on teacher-
+    forced through the token loop (steps P-1 .. T-2). Each part equals its own pass (the blocked path and
+    `generate`, tests/test_tasks.py), but the prompt, nearly all of a task stream, runs once."""
+    P, n_new, clock = answers.prompt_end, answers.n_new, answers.clock
+    B, T = tokens.shape
+    n = T - 1
+    inp, tgt = tokens[:, :-1], tokens[:, 1:]
+    start = time.perf_counter()
+    rec = Recorder(tgt, None, reference, tick)
+    loop = TokenLoop(
+        model, policy, list(p.budgets), spec.position_mode, B, max(n, P - 1 + n_new), doc, reference
+    )
+    blocked.run_blocked(model, inp[:, : P - 1], loop, p.block, rec)
+    fused = clock is not None and clock.fused and not policy.needs_attention
+    twin, writer = (loop.fork(fused=True) if fused else None), loop.fork()
+    for t in range(P - 1, n):  # the rest of the stream, teacher-forced
+        rec.add(t, loop.decode_one_token(inp[:, t : t + 1], t)[:, None])
+    prefilled = time.perf_counter()
+    written = torch.cat([tokens[:, :P], tokens.new_zeros(B, n_new)], 1)
+    _decode(writer, written, P - 1, P - 1 + n_new)
+    if clock is not None:
+        clock.prefill_s += prefilled - start
+        clock.decode_s += time.perf_counter() - prefilled
+        clock.decode_steps += B * n_new
+    if twin is not None:
+        again, t0 = written.clone(), time.perf_counter()
+        _decode(twin, again, P - 1, P - 1 + n_new)
+        clock.fused_s += time.perf_counter() - t0
+        clock.fused_steps, clock.fused_rows = clock.fused_steps + B * n_new, clock.fused_rows + B
+        clock.fused_same_rows += int((again[:, P:] == written[:, P:]).all(1).sum())
+    out = rec.out
+    if loop.lost is not None:
+        out["lost"] = loop.lost.values[:, :n]
+    loop.held = loop.held[:n]  # (sized for the written tokens too)
+    return replace(_cache_output(out, loop, p), written=written[:, P:])
+
+
 RUNNERS: dict[str, Runner] = {
     "parallel": run_parallel,
     "blocked": run_blocked,
     "loop": run_loop,
     "recompute": run_recompute,
+    "answer": run_answer,
 }
 
 
@@ -205,18 +280,21 @@ def stream(
     reference: FullReference | None = None,
     doc: torch.Tensor | None = None,
     tick: Tick | None = None,
+    answers: Answers | None = None,
 ) -> StreamOutput:
     """Stream tokens [B, T] (each row a document starting with its prefix) under `policy` at `budget`.
 
     `reference` (from `full_reference`) enables KL / agreement / attention diagnostics; a policy that
     `needs_future` needs one with its attention rows. `doc`: the rows' global document indices. `tick`
-    is told the token-steps of each block as it is recorded (a progress bar's update).
+    is told the token-steps of each block as it is recorded (a progress bar's update). `answers`: write
+    them on the way where the policy can generate (the answer path; `written` in the output), else the
+    stream runs as without them (and `written` is None).
     """
     check_positions(model.cfg, spec.position_mode)
     B, T = tokens.shape
     if T < 2:
         raise ConfigError(f"a stream needs at least 2 tokens, got {T}")
-    p = plan(policy, budget, spec, model.cfg.n_layer, T, model.cfg.n_embd)
+    p = plan(policy, budget, spec, model.cfg.n_layer, T, model.cfg.n_embd, answers)
     if policy.needs_future and (
         reference is None or not (reference.attention and reference.attention.has_rows)
     ):
@@ -224,7 +302,8 @@ def stream(
     doc = doc if doc is not None else torch.arange(B, device=tokens.device)
     model.eval()
     start = time.perf_counter()
-    out = RUNNERS[p.path](model, tokens, policy, p, reference, doc, spec, tick)
+    extra = {"answers": answers} if p.path == "answer" else {}
+    out = RUNNERS[p.path](model, tokens, policy, p, reference, doc, spec, tick, **extra)
     seconds = time.perf_counter() - start
     first4_mass = None
     if reference is not None and reference.attention is not None:  # NaN past the steps the reference covers

@@ -19,7 +19,7 @@ from evictlab.cache.budget import budgets_for
 from evictlab.cache.policies import Policy, full_cache
 from evictlab.errors import ConfigError
 from evictlab.eval.caches import held_share
-from evictlab.eval.engine import DecodeClock, StreamOutput, generate, stream
+from evictlab.eval.engine import Answers, DecodeClock, StreamOutput, generate, stream
 from evictlab.eval.full import FullAttention, FullReference, full_reference
 from evictlab.eval.progress import StreamProgress, duration
 from evictlab.eval.shared import SharedReferences
@@ -46,6 +46,7 @@ class EvalResult:
     summary: dict[str, float | int | str | bool]  # scalars only
     layers: pd.DataFrame  # tidy per-layer (and per-head) values: layer, head, metric, value
     attention_by_key: np.ndarray | None = None  # [L, n] full-cache attention by key position
+    written: np.ndarray | None = None  # [N, n_new] answers written on the answer path (`Answers`)
 
 
 @dataclass
@@ -135,9 +136,10 @@ def run_batches(
     budget: int,
     spec: StreamSpec,
     shared: SharedReferences | None = None,
+    answers: Answers | None = None,
 ) -> Batches:
     """Stream every row of tokens [N, T] under the policy, spec.batch_size rows at a time, each batch
-    against its own full-cache run."""
+    against its own full-cache run (writing `answers` on the way, where given)."""
     check_reference_cap(policy, tokens.shape[1] - 1, spec)
     done: dict[int, tuple[StreamOutput, KeptReference]] = {}
     start = time.perf_counter()
@@ -154,7 +156,9 @@ def run_batches(
         log.info("%s: full-cache reference ready in %s", what, duration(time.perf_counter() - t0))
         doc = torch.arange(b0, b0 + batch.shape[0], device=tokens.device)
         progress.resume()
-        out = stream(model, batch, policy, budget, spec, reference=ref, doc=doc, tick=progress)
+        out = stream(
+            model, batch, policy, budget, spec, reference=ref, doc=doc, tick=progress, answers=answers
+        )
         progress.pause()
         log.info("%s: streamed in %s on the %s path", what, duration(out.seconds), out.path)
         done[b0] = out, KeptReference.of(ref, batch)
@@ -284,17 +288,22 @@ def evaluate(
     budget: int,
     spec: StreamSpec = DEFAULT,
     shared: SharedReferences | None = None,
+    answers: Answers | None = None,
 ) -> EvalResult:
     """Stream every row of tokens [N, T] under the policy, in batches, against the full cache (its
-    log-probs read from `shared` when another run of the sweep computed them)."""
-    b = run_batches(model, tokens, policy, budget, spec, shared)
+    log-probs read from `shared` when another run of the sweep computed them); `answers`: also write
+    them where the policy can generate (EvalResult.written)."""
+    b = run_batches(model, tokens, policy, budget, spec, shared, answers)
     per_token = collect_per_token(b)
     summary = summarize(model, policy, budget, spec, tokens, b, per_token)
     layers = layer_table(b, per_token)
     held = layers.loc[layers["metric"] == "held_p0", "value"]
     if len(held):  # the share of steps whose query attends to position 0, mean over layers
         summary["position0_held"] = float(held.mean())
-    return EvalResult(per_token, summary, layers, attention_by_key(b))
+    written = None
+    if b.outs[0].written is not None:
+        written = torch.cat([o.written for o in b.outs]).cpu().numpy()
+    return EvalResult(per_token, summary, layers, attention_by_key(b), written)
 
 
 def greedy_divergence(
@@ -402,6 +411,14 @@ def recall_accuracy(
     return frame
 
 
+def task_answers(batch, clock: DecodeClock | None = None) -> Answers:
+    """What a task batch's streams write on the answer path: from the prompt's end (one position for every
+    row), as many tokens as the longest answer's `task_decode_len`."""
+    if len(set(batch.answer_start.tolist())) != 1:
+        raise ValueError("a task batch's prompts end at one position (data/tasks: task_streams)")
+    return Answers(int(batch.answer_start[0]), int(task_decode_len(batch.answer_len).max()), clock)
+
+
 def task_decode_len(answer_len: np.ndarray) -> np.ndarray:
     """Tokens decoded for an answer of `answer_len` tokens: twice as many, plus 8 (an answer may be phrased
     longer than the reference: a list of one item per line, a sentence around the number)."""
@@ -434,8 +451,12 @@ def task_accuracy(
         }
     )
     if decode is not None and policy.can_generate():
-        written = greedy_answers(model, batch, policy, budget, spec, task_decode_len, clock)
-        frame["written"] = [decode(w.tolist()) for w in written]
+        if result.written is not None:  # written on the answer path, in the same pass
+            want = task_decode_len(batch.answer_len)
+            written = [row[:k] for row, k in zip(result.written, want, strict=True)]
+        else:
+            written = greedy_answers(model, batch, policy, budget, spec, task_decode_len, clock)
+        frame["written"] = [decode([int(x) for x in w]) for w in written]
         graded = [batch.task.score(p, t) for p, t in zip(batch.problems, frame["written"], strict=True)]
         frame["exact"] = [e for e, _ in graded]
         frame["partial"] = [c for _, c in graded]
