@@ -127,11 +127,18 @@ def test_make_paper_refreshes_the_snapshot_from_the_sweep(tmp_path: Path, monkey
 
 def test_make_paper_by_slices_merges_each_slice_into_the_committed_snapshot(tmp_path: Path, monkeypatch):
     """`paper run --slice B`: only experiment B's sweep runs; its runs replace their own rows in the
-    committed snapshot (matched by run_key) and slice A's rows stay. An unknown slice is an error."""
+    committed snapshot (matched by run_key), slice A's rows stay, and a committed run that streamed
+    other text than the slice (a re-made experiment's old runs) goes. An unknown slice is an error."""
     folder = tmp_path / "experiments" / "sliced"
     (folder / "snapshot").mkdir(parents=True)
     (folder / "figures.yaml").write_text("experiment: exp_a\nalso: [exp_b]\nfigures: []\n")
-    old = pd.DataFrame({"run_key": ["a1", "a2", "b1"], "nll": [1.0, 2.0, 3.0]})
+    old = pd.DataFrame(
+        {
+            "run_key": ["a1", "a2", "b1", "z9"],
+            "nll": [1.0, 2.0, 3.0, 9.0],
+            "streams_sha256": ["t", "t", "t", "u"],
+        }
+    )
     old.to_parquet(folder / "snapshot" / "results.parquet", index=False)
     pd.DataFrame({"run_key": ["a1"], "stream": [0]}).to_parquet(folder / "snapshot" / "streams.parquet")
     outputs = tmp_path / "outputs"
@@ -142,7 +149,7 @@ def test_make_paper_by_slices_merges_each_slice_into_the_committed_snapshot(tmp_
         calls.append(cmd)
         sweep = outputs / "runs" / "exp_a"  # every slice's runs land in the first experiment's group
         sweep.mkdir(parents=True, exist_ok=True)
-        new = pd.DataFrame({"run_key": ["b1", "b2"], "nll": [3.5, 4.0]})
+        new = pd.DataFrame({"run_key": ["b1", "b2"], "nll": [3.5, 4.0], "streams_sha256": ["t", "t"]})
         new.to_parquet(sweep / "results.parquet", index=False)
 
     monkeypatch.setattr(paper.subprocess, "run", fake_make)
@@ -152,7 +159,7 @@ def test_make_paper_by_slices_merges_each_slice_into_the_committed_snapshot(tmp_
     assert paper.main(argv) == 0
     assert calls == [["make", "sweep", "EXP=exp_b", "GROUP=exp_a", "LAUNCHER=local"]]
     got = pd.read_parquet(folder / "snapshot" / "results.parquet").set_index("run_key")["nll"]
-    assert got.to_dict() == {"a1": 1.0, "a2": 2.0, "b1": 3.5, "b2": 4.0}
+    assert got.to_dict() == {"a1": 1.0, "a2": 2.0, "b1": 3.5, "b2": 4.0}  # z9 streamed other text: dropped
     # a table the slice did not make is kept as committed
     assert pd.read_parquet(folder / "snapshot" / "streams.parquet")["run_key"].tolist() == ["a1"]
     with pytest.raises(ValueError, match="exp_c"):

@@ -82,25 +82,42 @@ def refresh(folder: Path, launcher: str, slices: list[str] | None = None) -> Non
         subprocess.run(cmd, cwd=REPO_ROOT, check=True)
     sweep, snap = outputs_dir() / "runs" / exps[0], folder / "snapshot"
     snap.mkdir(exist_ok=True)
+    stale = other_text(snap, sweep) if slices else set()
+    if stale:
+        print(f"{folder.name}: {len(stale)} committed run(s) streamed other text than this slice: dropped")
     for t in R.TABLES:
         made, kept = R.table_path(sweep, t), R.table_path(snap, t)
         if slices and kept.exists():
             new = pd.read_parquet(made) if made.exists() else None
-            merged = merge_runs(pd.read_parquet(kept), new)
+            merged = merge_runs(pd.read_parquet(kept), new, stale)
             write_atomic(kept, lambda p, m=merged: m.to_parquet(p, index=False))
         elif made.exists():
             shutil.copyfile(made, kept)
 
 
-def merge_runs(kept: pd.DataFrame, new: pd.DataFrame | None) -> pd.DataFrame:
+def other_text(snap: Path, sweep: Path) -> set[str]:
+    """The committed runs that streamed other tokens than every run of the new slice (their
+    `streams_sha256` is none of the slice's): a re-made experiment's first slice replaces them, so a
+    snapshot never mixes texts."""
+    kept, made = R.table_path(snap, "results"), R.table_path(sweep, "results")
+    if not (kept.exists() and made.exists()):
+        return set()
+    old, new = pd.read_parquet(kept), pd.read_parquet(made)
+    if "streams_sha256" not in old or "streams_sha256" not in new:
+        return set()
+    return set(old.loc[~old["streams_sha256"].isin(set(new["streams_sha256"])), "run_key"])
+
+
+def merge_runs(kept: pd.DataFrame, new: pd.DataFrame | None, drop: set[str] = frozenset()) -> pd.DataFrame:
     """A snapshot table with a slice's freshly aggregated rows: every run of `new` replaces that run's rows
-    in `kept` (matched by run_key), the other runs' rows stay."""
-    if new is None or not len(new):
+    in `kept` (matched by run_key), the runs in `drop` go, the other runs' rows stay."""
+    if (new is None or not len(new)) and not drop:
         return kept
     if not len(kept) or "run_key" not in kept:
-        return new.reset_index(drop=True)
-    rest = kept[~kept["run_key"].isin(set(new["run_key"]))]
-    return pd.concat([rest, new], ignore_index=True)
+        return kept if new is None else new.reset_index(drop=True)
+    gone = set(drop) | (set() if new is None or not len(new) else set(new["run_key"]))
+    rest = kept[~kept["run_key"].isin(gone)]
+    return rest.reset_index(drop=True) if new is None else pd.concat([rest, new], ignore_index=True)
 
 
 def main(argv: list[str] | None = None) -> int:
