@@ -238,6 +238,34 @@ def test_the_task_table_gives_each_policys_accuracy_and_its_paired_test_against_
     assert any("oracle" in i for i in forced.index)
 
 
+def test_the_decode_table_gives_each_policys_rate_and_the_fused_kernels_beside_it():
+    from evictlab.analysis.report import decode_table
+
+    runs = pd.DataFrame(
+        [
+            {"strategy": "full", "evicts": False, "budget": 2047, "rate": 50.0, "fused": 80.0, "same": 1.0},
+            {"strategy": "h2o", "evicts": True, "budget": 128, "rate": 40.0, "fused": np.nan, "same": np.nan},
+            {"strategy": "h2o", "evicts": True, "budget": 128, "rate": 42.0, "fused": np.nan, "same": np.nan},
+            {
+                "strategy": "streaming_llm",
+                "evicts": True,
+                "budget": 512,
+                "rate": 61.0,
+                "fused": 90.5,
+                "same": 0.98,
+            },
+        ]
+    ).rename(columns={"rate": "decode_token_steps_per_s", "fused": "decode_token_steps_per_s_fused"})
+    runs = runs.rename(columns={"same": "fused_same_tokens"}).assign(position_mode="original")
+    runs["strategy_label"] = runs["strategy"]
+    t = decode_table({"runs": runs})
+    assert list(t.columns) == ["all", "b128", "b512"]
+    assert t.loc["full", "all"] == "50.0; SDPA 80.0 (same 100%)"
+    assert t.loc["h2o", "b128"] == "41.0" and t.loc["h2o", "b512"] == "-"  # no fused kernel for H2O
+    assert t.loc["streaming_llm", "b512"] == "61.0; SDPA 90.5 (same 98%)"
+    assert decode_table({"runs": runs.drop(columns=["decode_token_steps_per_s"])}).empty
+
+
 def test_calibrate_scores_the_full_caches_written_answers_and_resumes(
     session_outputs, tiny_checkpoint, tmp_path, monkeypatch
 ):

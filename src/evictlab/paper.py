@@ -221,11 +221,12 @@ def _training_lines(tables: dict[str, pd.DataFrame], wanted: dict, mode: str) ->
 
 
 def _task_lines(tables: dict[str, pd.DataFrame], mode: str) -> list[str]:
-    """The task tables: answers graded as written, and teacher-forced (where the oracle has a row)."""
-    from evictlab.analysis.report import task_table
+    """The task tables: answers graded as written, and teacher-forced (where the oracle has a row); how
+    fast the answers were written, where the runs measured it."""
+    from evictlab.analysis.report import decode_table, task_table
 
     what = "share [95% Wilson CI] correct/samples; exact McNemar p against the full cache's answers"
-    return [
+    out = [
         "",
         f"task answers graded exact, as written under the policy: {what}:",
         markdown(task_table(tables, mode)),
@@ -233,6 +234,14 @@ def _task_lines(tables: dict[str, pd.DataFrame], mode: str) -> list[str]:
         "task answers exact teacher-forced (the oracle too), the same columns:",
         markdown(task_table(tables, mode, "exact_teacher_forced")),
     ]
+    speed = decode_table(tables, mode)
+    if len(speed):
+        out += [
+            "",
+            "decode token-steps/s writing the answers (explicit attention; SDPA from the same caches):",
+        ]
+        out.append(markdown(speed))
+    return out
 
 
 def _tables_text(name: str, tables: dict[str, pd.DataFrame], wanted: dict) -> str:

@@ -418,6 +418,31 @@ def task_table(
     return grid[[c for c in ("all", *budgets) if c in grid.columns]]
 
 
+def decode_table(tables: dict[str, pd.DataFrame], mode: str = "original") -> pd.DataFrame:
+    """Per policy (rows) x budget: how fast its runs wrote their answers, "explicit token-steps/s" and, for
+    a policy that reads no attention weights, "; SDPA x.x (same k%)": the same decode steps through the
+    fused kernel and the share of answers it wrote identically (the price of needing the weights is the
+    gap H2O and TOVA cannot close). Means over the runs of a cell; empty without decode measurements."""
+    runs = tables["runs"]
+    if "decode_token_steps_per_s" not in runs:
+        return pd.DataFrame()
+    r = runs[(runs["position_mode"] == mode) & runs["decode_token_steps_per_s"].notna()]
+    P = S.PolicyOrder(r)
+    rows = []
+    for (name, budget), g in r.groupby(["strategy", "budget"]):
+        cell = f"{g['decode_token_steps_per_s'].mean():.1f}"
+        if "decode_token_steps_per_s_fused" in g and g["decode_token_steps_per_s_fused"].notna().any():
+            same = 100 * g["fused_same_tokens"].mean()
+            cell += f"; SDPA {g['decode_token_steps_per_s_fused'].mean():.1f} (same {same:.0f}%)"
+        label = "all" if P.is_reference(name) else f"b{int(budget)}"
+        rows.append({"strategy": name, "policy": P.label(name), "column": label, "cell": cell})
+    if not rows:
+        return pd.DataFrame()
+    grid = _policy_grid(pd.DataFrame(rows), P, "column")
+    budgets = sorted((c for c in grid.columns if c != "all"), key=lambda c: int(c[1:]))
+    return grid[[c for c in ("all", *budgets) if c in grid.columns]]
+
+
 def units_line(tables: dict[str, pd.DataFrame]) -> str:
     """What every CI of a group rests on: trainings, streams per training, the full cache's perplexity."""
     streams = tables["streams"]
