@@ -141,6 +141,21 @@ def test_the_full_caches_continuation_is_computed_once_per_sweep(model, tmp_path
     assert other.computed == 2
 
 
+@pytest.mark.parametrize("name", ["window", "h2o"])
+def test_continuations_written_on_the_answer_path_are_generates(model, name):
+    """eval.generate_tokens: the evaluation's pass writes each stream's continuation (Answers(T - n, n))
+    and greedy_divergence takes it instead of decoding again: the same tokens, the same summary."""
+    from evictlab.eval.engine import Answers
+    from evictlab.eval.evaluate import evaluate
+
+    tokens, spec = torch.randint(0, 30, (3, 40)), StreamSpec(batch_size=2, block=16)
+    res = evaluate(model, tokens, make_policy(name), 8, spec, answers=Answers(28, 12))
+    one = greedy_divergence(model, tokens, make_policy(name), 8, 12, spec, written=res.written)
+    two = greedy_divergence(model, tokens, make_policy(name), 8, 12, spec)
+    for key in ("policy_tokens", "full_tokens", "first_divergence", "agreement"):
+        assert np.array_equal(one[key], two[key]), key
+
+
 def test_run_records_generations(tmp_path: Path):
     from evictlab import run as run_mod
     from tests.test_pipeline import cfg_for
@@ -157,6 +172,8 @@ def test_run_records_generations(tmp_path: Path):
     same = g["text_full"] == g["text_policy"]
     assert (g.loc[same, "rouge_l"] == 1).all() and g["rouge_l"].between(0, 1).all()
     assert m["gen_agreement"] == pytest.approx(g["agreement"].mean()) and m["generate_tokens"] == 8
+    assert m["path"] == "answer" and m["decode_token_steps_per_s"] > 0  # written in the evaluation's pass
+    assert m["fused_same_tokens"] == 1.0  # the window reads no weights: SDPA wrote the same continuations
     stored = json.loads((run_mod.run_dir(cfg) / "metrics.json").read_text())
     assert stored["gen_first_divergence_mean"] == pytest.approx(g["first_divergence"].mean())
     oracle = cfg_for(

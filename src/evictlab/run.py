@@ -39,7 +39,7 @@ from evictlab.data.recall import RecallBatch, recall_streams
 from evictlab.data.streams import eval_streams
 from evictlab.data.tasks import TASKS, TaskBatch, task_streams
 from evictlab.errors import DivergedError
-from evictlab.eval.engine import DecodeClock
+from evictlab.eval.engine import Answers, DecodeClock
 from evictlab.eval.evaluate import (
     EvalResult,
     evaluate,
@@ -193,8 +193,8 @@ class RunStages:
         checkpoint = f"{ck.path.name}:{ck.meta.get('weights_sha256', '')}"
         shared = self.shared_references(ck)
         decoding = DecodeClock(fused=True)  # weight-free policies: the fused kernel's rate too
-        writing = task_answers(answers, decoding) if isinstance(answers, TaskBatch) else None
-        with clock("evaluate"):  # (a task's answers are written in the same pass: the answer path)
+        writing = self.writing(tokens, answers, policy, decoding)
+        with clock("evaluate"):  # (answers and continuations are written in the same pass: the answer path)
             res = evaluate(model, tokens, policy, budget, spec, shared, writing)
         if not math.isfinite(res.summary["ppl"]):
             bad = int((~np.isfinite(res.per_token["nll"])).sum())
@@ -222,11 +222,21 @@ class RunStages:
                 metrics |= self.task_metrics(graded, decoding)
             generations = None
             if self.cfg.eval.generate_tokens and policy.can_generate():
-                generations, extra = self.generation(model, tokens, corpus, shared)
-                metrics |= extra
+                generations, extra = self.generation(model, tokens, corpus, shared, res.written)
+                metrics |= extra | self.decode_metrics(decoding)
         with clock("tracking"):
             self.track(metrics | clock.seconds(), curve, generations)
         return metrics | clock.seconds()
+
+    def writing(self, tokens: torch.Tensor, answers, policy, decoding: DecodeClock) -> Answers | None:
+        """What the evaluation writes on the way (the answer path): a task's answers, or with
+        eval.generate_tokens the policy's greedy continuation of each stream's first T - n tokens."""
+        if isinstance(answers, TaskBatch):
+            return task_answers(answers, decoding)
+        n_new = self.cfg.eval.generate_tokens
+        if n_new and answers is None and policy.can_generate():
+            return Answers(tokens.shape[1] - n_new, n_new, decoding)
+        return None
 
     def record(self, model: GPT, documents: list[str]) -> None:
         """run_info.json's `model_config`: the shape of the model that ran, as loaded (an imported
@@ -360,15 +370,21 @@ class RunStages:
             metrics |= {
                 "task_exact": float(graded["exact"].mean()),
                 "task_partial": float(graded["partial"].mean()),
-                "decode_token_steps_per_s": decoding.rate(),
-                "prefill_s": decoding.prefill_s,
-            }
-            if decoding.fused_rows:
-                metrics |= {
-                    "decode_token_steps_per_s_fused": decoding.fused_rate(),
-                    "fused_same_tokens": decoding.fused_same_rows / decoding.fused_rows,
-                }
+            } | self.decode_metrics(decoding)
         return metrics
+
+    @staticmethod
+    def decode_metrics(decoding: DecodeClock) -> dict[str, Any]:
+        """How fast the run wrote (answers or continuations): decode token-steps/s through the token loop
+        and the prompts' prefill seconds; for a policy that reads no attention weights also through the
+        fused kernel from the same caches, and the share of rows it wrote identically."""
+        if not decoding.decode_steps:
+            return {}
+        out = {"decode_token_steps_per_s": decoding.rate(), "prefill_s": decoding.prefill_s}
+        if decoding.fused_rows:
+            out["decode_token_steps_per_s_fused"] = decoding.fused_rate()
+            out["fused_same_tokens"] = decoding.fused_same_rows / decoding.fused_rows
+        return out
 
     def recall_metrics(self, rec: pd.DataFrame) -> dict[str, Any]:
         _write_table(self.out / R.RECALL, rec)
@@ -380,12 +396,14 @@ class RunStages:
             metrics["recall_exact_greedy"] = float(rec["exact_greedy"].mean())
         return metrics
 
-    def generation(self, model: GPT, tokens: torch.Tensor, corpus: Corpus, shared: SharedReferences | None):
-        """Greedy continuations under the policy and the full cache (shared by a sweep's runs) -> (their
-        table, metrics)."""
+    def generation(
+        self, model: GPT, tokens: torch.Tensor, corpus: Corpus, shared: SharedReferences | None, written
+    ):
+        """Greedy continuations under the policy (`written` on the answer path, else decoded here) and the
+        full cache (shared by a sweep's runs) -> (their table, metrics)."""
         cfg, n_new = self.cfg, self.cfg.eval.generate_tokens
         g = greedy_divergence(
-            model, tokens, cfg.strategy.build(), cfg.resolved_budget, n_new, cfg.eval.spec(), shared
+            model, tokens, cfg.strategy.build(), cfg.resolved_budget, n_new, cfg.eval.spec(), shared, written
         )
         decode = corpus.tokenizer.decode
         full, ours = [decode(r) for r in g["full_tokens"]], [decode(r) for r in g["policy_tokens"]]

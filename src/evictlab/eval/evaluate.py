@@ -314,11 +314,13 @@ def greedy_divergence(
     n_new: int,
     spec: StreamSpec = DEFAULT,
     shared: SharedReferences | None = None,
+    written: np.ndarray | None = None,
 ) -> dict[str, np.ndarray]:
     """Greedy continuations of each stream's first T - n_new tokens under the policy and under the full
     cache: per stream, the first step where they differ (n_new if never) and the share of steps that
     agree, plus both token arrays [N, n_new]. The full cache's continuations come from `shared` where
-    another run of the sweep has written them."""
+    another run of the sweep has written them; the policy's are `written` where the evaluation wrote
+    them on the answer path (`Answers(T - n_new, n_new)`)."""
     N, T = tokens.shape
     if not 1 <= n_new < T:
         raise ConfigError(f"eval.generate_tokens={n_new} must be in [1, eval.stream_len)")
@@ -326,7 +328,10 @@ def greedy_divergence(
     for b0 in range(0, N, spec.batch_size):
         prompt = tokens[b0 : b0 + spec.batch_size, : T - n_new]
         doc = torch.arange(b0, b0 + prompt.shape[0], device=tokens.device)
-        ours.append(generate(model, prompt, policy, budget, n_new, spec, doc=doc))
+        if written is None:
+            ours.append(generate(model, prompt, policy, budget, n_new, spec, doc=doc))
+        else:
+            ours.append(torch.as_tensor(written[b0 : b0 + prompt.shape[0]]))
         full = lambda p=prompt, d=doc: generate(model, p, full_cache(), budget, n_new, spec, doc=d)  # noqa: E731
         theirs.append(full() if shared is None else shared.continuation(model, prompt, n_new, full))
     p, f = torch.cat(ours).cpu().numpy(), torch.cat(theirs).cpu().numpy()
