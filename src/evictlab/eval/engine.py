@@ -237,16 +237,16 @@ def run_answer(
         model, policy, list(p.budgets), spec.position_mode, B, max(n, P - 1 + n_new), doc, reference
     )
     blocked.run_blocked(model, inp[:, : P - 1], loop, p.block, rec)
+    prefilled = time.perf_counter()
     fused = clock is not None and clock.fused and not policy.needs_attention
     twin, writer = (loop.fork(fused=True) if fused else None), loop.fork()
     for t in range(P - 1, n):  # the rest of the stream, teacher-forced
         rec.add(t, loop.decode_one_token(inp[:, t : t + 1], t)[:, None])
-    prefilled = time.perf_counter()
-    written = torch.cat([tokens[:, :P], tokens.new_zeros(B, n_new)], 1)
+    written, t0 = torch.cat([tokens[:, :P], tokens.new_zeros(B, n_new)], 1), time.perf_counter()
     _decode(writer, written, P - 1, P - 1 + n_new)
     if clock is not None:
         clock.prefill_s += prefilled - start
-        clock.decode_s += time.perf_counter() - prefilled
+        clock.decode_s += time.perf_counter() - t0
         clock.decode_steps += B * n_new
     if twin is not None:
         again, t0 = written.clone(), time.perf_counter()
