@@ -222,7 +222,8 @@ class RunStages:
                 metrics |= self.task_metrics(graded, decoding)
             generations = None
             if self.cfg.eval.generate_tokens and policy.can_generate():
-                generations, extra = self.generation(model, tokens, corpus, shared, res.written)
+                ours = res.written if answers is None else None  # (a task's answers are not continuations)
+                generations, extra = self.generation(model, tokens, corpus, shared, ours)
                 metrics |= extra | self.decode_metrics(decoding)
         with clock("tracking"):
             self.track(metrics | clock.seconds(), curve, generations)
