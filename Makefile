@@ -50,10 +50,10 @@ train: ## Train (or load from cache) the default model: make train ARGS="model=g
 run: ## One run: make run ARGS="strategy=h2o budget=b128"
 	$(PY) -m evictlab.run $(ARGS)
 
-sweep: ## Train (cached), run experiment EXP through LAUNCHER (local|submitit_local|slurm), aggregate, report
+sweep: ## Train (cached), run experiment EXP through LAUNCHER (local|local_serial|submitit_local|slurm), aggregate, report
 	@# locally, train first (at train.threads; jobs then share the cached checkpoint); on a cluster the
 	@# first job that needs a checkpoint trains it and the others wait on its file lock
-	if [ "$(LAUNCHER)" = local ]; then $(PY) -m evictlab.train +experiment=$(EXP) $(ARGS); fi
+	if [ "$(LAUNCHER)" = local ] || [ "$(LAUNCHER)" = local_serial ]; then $(PY) -m evictlab.train +experiment=$(EXP) $(ARGS); fi
 	$(PY) -m evictlab.run -m +experiment=$(EXP) hydra/launcher=$(LAUNCHER) group=$(GROUP) $(ARGS)
 	$(PY) -m evictlab.aggregate $(OUT)/runs/$(GROUP)
 	$(PY) -m evictlab.report $(OUT)/runs/$(GROUP)

@@ -131,7 +131,9 @@ def test_make_paper_by_slices_merges_each_slice_into_the_committed_snapshot(tmp_
     other text than the slice (a re-made experiment's old runs) goes. An unknown slice is an error."""
     folder = tmp_path / "experiments" / "sliced"
     (folder / "snapshot").mkdir(parents=True)
-    (folder / "figures.yaml").write_text("experiment: exp_a\nalso: [exp_b]\nfigures: []\n")
+    (folder / "figures.yaml").write_text(
+        "experiment: exp_a\nalso: [exp_b]\nlauncher: local_serial\nfigures: []\n"
+    )
     old = pd.DataFrame(
         {
             "run_key": ["a1", "a2", "b1", "z9"],
@@ -157,7 +159,7 @@ def test_make_paper_by_slices_merges_each_slice_into_the_committed_snapshot(tmp_
     monkeypatch.setattr(paper, "draw", lambda folder, out: [])  # (tables here are not real results)
     argv = ["run", "--only", "sliced", "--slice", "exp_b", "--out", str(tmp_path / "figs")]
     assert paper.main(argv) == 0
-    assert calls == [["make", "sweep", "EXP=exp_b", "GROUP=exp_a", "LAUNCHER=local"]]
+    assert calls == [["make", "sweep", "EXP=exp_b", "GROUP=exp_a", "LAUNCHER=local_serial"]]  # its own
     got = pd.read_parquet(folder / "snapshot" / "results.parquet").set_index("run_key")["nll"]
     assert got.to_dict() == {"a1": 1.0, "a2": 2.0, "b1": 3.5, "b2": 4.0}  # z9 streamed other text: dropped
     # a table the slice did not make is kept as committed

@@ -73,7 +73,10 @@ def refresh(folder: Path, launcher: str, slices: list[str] | None = None) -> Non
     """Re-run the folder's Hydra experiments (make sweep) and copy the aggregated tables into snapshot/.
     With `slices` (some of the folder's experiments), only those run and their runs are merged into the
     committed snapshot (`merge_runs`): an experiment longer than one sitting is made slice by slice."""
-    exps = experiments(load_spec(folder))
+    spec = load_spec(folder)
+    exps = experiments(spec)
+    if launcher == "local":  # an experiment too large to run two jobs at once names its own
+        launcher = spec.get("launcher", launcher)
     unknown = sorted(set(slices or []) - set(exps))
     if unknown:
         raise ValueError(f"{folder.name}: --slice {unknown} not among its experiments {exps}")
