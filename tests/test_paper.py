@@ -270,6 +270,7 @@ QUOTED_TABLES = {
     "long_stream": ["long_stream"],
     "smollm2_long": ["smollm2_long"],
     "smollm2_sinks": ["smollm2_sinks"],
+    "smollm2_tasks": ["smollm2_tasks"],
 }
 
 
@@ -326,7 +327,7 @@ def test_verify_names_in_one_line_what_a_snapshots_provenance_lacks():
         "main's history; 2 of 2 streams lack their documents"
     )
     # re-made on the pinned text: complete; made before it: the holes a reviewer found are the ones named
-    for name in ("smollm2_recall", "smollm2_quality", "smollm2_sinks"):
+    for name in ("smollm2_recall", "smollm2_quality", "smollm2_sinks", "smollm2_tasks"):
         gaps = V.provenance_gaps(paper.load_snapshot(paper.EXPERIMENTS / name), paper.REPO_ROOT)
         assert gaps is None or V.shallow(paper.REPO_ROOT), gaps  # (a shallow clone cannot see the commits)
 

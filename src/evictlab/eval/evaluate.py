@@ -5,6 +5,7 @@ long-context tasks of data/tasks)."""
 from __future__ import annotations
 
 import dataclasses
+import gc
 import logging
 import math
 import time
@@ -163,6 +164,7 @@ def run_batches(
         log.info("%s: streamed in %s on the %s path", what, duration(out.seconds), out.path)
         done[b0] = out, KeptReference.of(ref, batch)
         del ref  # (its log-probs go before the next batch's arrive)
+        gc.collect()  # (and whatever a batch's loops left in reference cycles)
     progress.close()
     starts = sorted(done)
     outs, refs = [done[b0][0] for b0 in starts], [done[b0][1] for b0 in starts]

@@ -225,8 +225,8 @@ class TokenLoop:
         if fused and self.policy.needs_attention:
             raise ConfigError(f"{self.policy.name} reads attention weights: no fused attention kernel")
         twin = copy.deepcopy(self, {id(self.model): self.model, id(self.policy): self.policy})
-        if fused:
-            twin.attention = twin.fused_attention
+        if fused:  # (a class-level switch: a bound method stored on the copy would be a reference cycle
+            twin.__class__ = FusedTokenLoop  # that keeps its caches alive until the cycle collector runs)
         return twin
 
     def evict(
@@ -336,3 +336,10 @@ def stream_loop(
         if tick is not None:
             tick(B)
     return per_token, loop, tokens
+
+
+class FusedTokenLoop(TokenLoop):
+    """A TokenLoop whose per-step attention is `fused_attention` (TokenLoop.fork(fused=True))."""
+
+    def attention(self, q, K, V, valid) -> tuple[torch.Tensor, None]:
+        return self.fused_attention(q, K, V, valid)
