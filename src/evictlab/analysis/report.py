@@ -406,7 +406,8 @@ def task_table(
             cell = f"{p:.2f} [{lo:.2f}, {hi:.2f}] {int(ok.sum())}/{len(ok)}"
             if not P.is_reference(name) and len(full):
                 both = full.index.intersection(ok.index)
-                cell += f"; p={S.mcnemar_p(ok[both].to_numpy(), full[both].to_numpy()):.3f}"
+                p_value = S.mcnemar_p(ok[both].to_numpy(), full[both].to_numpy())
+                cell += "; p<0.001" if p_value < 0.001 else f"; p={p_value:.3f}"
             label = "all" if P.is_reference(name) else f"b{int(budget)}"
             row = f"{task}, {int(T):,} tokens: {P.label(name)}"
             rows.append({"strategy": name, "policy": row, "column": label, "cell": cell})
