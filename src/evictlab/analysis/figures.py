@@ -558,9 +558,13 @@ def tradeoff(runs: pd.DataFrame, mode: str = "original") -> Figure:
     for ax, x in zip(axes, ("kv_kib", "speed"), strict=True):
         _tradeoff_points(ax, P, r, x)
         _tradeoff_front(ax, P, r, x)
-        ax.set_xscale("log")
+        xs = pd.concat([r[x], r["fused"]] if x == "speed" else [r[x]]).dropna()
+        if xs.max() > 4 * xs.min():  # a log axis only where the values span a few-fold (else no tick)
+            ax.set_xscale("log")
+            ax.xaxis.set_minor_formatter(mticker.NullFormatter())
+        else:
+            ax.xaxis.set_major_locator(mticker.MaxNLocator(6))
         ax.xaxis.set_major_formatter(mticker.StrMethodFormatter("{x:,.0f}"))
-        ax.xaxis.set_minor_formatter(mticker.NullFormatter())
         ax.grid(alpha=0.3)
     kv = sorted(r["kv_kib"].unique())
     axes[0].set_xticks(kv if len(kv) <= 6 else kv[:: -(-len(kv) // 6)])
