@@ -237,23 +237,12 @@ def run_answer(
         model, policy, list(p.budgets), spec.position_mode, B, max(n, P - 1 + n_new), doc, reference
     )
     blocked.run_blocked(model, inp[:, : P - 1], loop, p.block, rec)
-    prefilled = time.perf_counter()
-    fused = clock is not None and clock.fused and not policy.needs_attention
-    twin, writer = (loop.fork(fused=True) if fused else None), loop.fork()
+    prefill_s = time.perf_counter() - start
+    twin, writer = _fused_twin(loop, clock), loop.fork()
     for t in range(P - 1, n):  # the rest of the stream, teacher-forced
         rec.add(t, loop.decode_one_token(inp[:, t : t + 1], t)[:, None])
-    written, t0 = torch.cat([tokens[:, :P], tokens.new_zeros(B, n_new)], 1), time.perf_counter()
-    _decode(writer, written, P - 1, P - 1 + n_new)
-    if clock is not None:
-        clock.prefill_s += prefilled - start
-        clock.decode_s += time.perf_counter() - t0
-        clock.decode_steps += B * n_new
-    if twin is not None:
-        again, t0 = written.clone(), time.perf_counter()
-        _decode(twin, again, P - 1, P - 1 + n_new)
-        clock.fused_s += time.perf_counter() - t0
-        clock.fused_steps, clock.fused_rows = clock.fused_steps + B * n_new, clock.fused_rows + B
-        clock.fused_same_rows += int((again[:, P:] == written[:, P:]).all(1).sum())
+    written = torch.cat([tokens[:, :P], tokens.new_zeros(B, n_new)], 1)
+    _write(writer, twin, written, P, clock, prefill_s)
     out = rec.out
     if loop.lost is not None:
         out["lost"] = loop.lost.values[:, :n]
@@ -394,22 +383,37 @@ def generate(
     n = tokens.shape[1] - 1
     loop = TokenLoop(model, policy, list(p.budgets), spec.position_mode, B, n, doc)
     prefill(model, prompt, loop, min(spec.block, BLOCK_STEPS))
-    fused = clock is not None and clock.fused and not policy.needs_attention
-    twin = loop.fork(fused=True) if fused else None  # (before the explicit decode moves the caches on)
-    decoding = time.perf_counter()
-    _decode(loop, tokens, P - 1, n)
-    if clock is not None:
-        clock.prefill_s += decoding - start
-        clock.decode_s += time.perf_counter() - decoding
-        clock.decode_steps += B * n_new
+    twin = _fused_twin(loop, clock)  # (before the explicit decode moves the caches on)
+    _write(loop, twin, tokens, P, clock, time.perf_counter() - start)
+    return tokens[:, P:]
+
+
+def _fused_twin(loop: TokenLoop, clock: DecodeClock | None) -> TokenLoop | None:
+    """A fork of the loop attending through the fused kernel, where the clock asks for its rate and the
+    policy reads no attention weights; else None."""
+    if clock is None or not clock.fused or loop.policy.needs_attention:
+        return None
+    return loop.fork(fused=True)
+
+
+def _write(loop: TokenLoop, twin, tokens: torch.Tensor, P: int, clock: DecodeClock | None, prefill_s: float):
+    """Greedy steps P-1 .. T-2 of tokens [B, T] in place on `loop`, and on the fused `twin` (if any) into
+    a copy; the clock gets the prefill seconds, both decodes' seconds and steps, and rows written alike."""
+    B, T = tokens.shape
+    t0 = time.perf_counter()
+    _decode(loop, tokens, P - 1, T - 1)
+    if clock is None:
+        return
+    steps = B * (T - P)
+    clock.prefill_s += prefill_s
+    clock.decode_s += time.perf_counter() - t0
+    clock.decode_steps += steps
     if twin is not None:
         again, t0 = tokens.clone(), time.perf_counter()
-        _decode(twin, again, P - 1, n)
+        _decode(twin, again, P - 1, T - 1)
         clock.fused_s += time.perf_counter() - t0
-        clock.fused_steps += B * n_new
-        clock.fused_rows += B
+        clock.fused_steps, clock.fused_rows = clock.fused_steps + steps, clock.fused_rows + B
         clock.fused_same_rows += int((again[:, P:] == tokens[:, P:]).all(1).sum())
-    return tokens[:, P:]
 
 
 def _decode(loop: TokenLoop, tokens: torch.Tensor, first: int, n: int) -> None:
