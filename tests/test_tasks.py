@@ -299,3 +299,44 @@ def test_calibrate_scores_the_full_caches_written_answers_and_resumes(
     assert len(pd.read_csv(out)) == 2
     with pytest.raises(ConfigError, match="unknown task"):
         calibrate.main([*args[:2], "--tasks", "nope", *TINY, f"paths.outputs={session_outputs}"])
+
+
+def test_verify_re_runs_a_task_snapshot_answer_by_answer(session_outputs, tmp_path, monkeypatch):
+    """make verify on a task sweep: each sampled run's task streams re-run and its answers compared with the
+    snapshot's (answer NLL, exact teacher-forced, the written text and its grade); `--streams 1` re-runs
+    the snapshot's first problem, not another draw; an answer written differently in the snapshot fails."""
+    from evictlab import results as R
+    from evictlab import run as run_mod
+    from evictlab import verify as V
+    from evictlab.analysis.aggregate import aggregate
+    from tests.test_pipeline import FAST, cfg_for
+
+    task = ["eval.task=niah_multikey", "eval.stream_len=600", "eval.n_streams=3", "logger=none"]
+    sampled = []
+    for strategy in ("streaming_llm", "h2o"):
+        overrides = ["group=task_verify", f"strategy={strategy}", "budget=b32", *task]
+        cfg = cfg_for(session_outputs, *overrides)
+        run_mod.run(cfg)
+        sampled.append(
+            V.Sampled(run_mod.run_key(cfg), f"{strategy} b32 original", [*FAST, *overrides], {}, None)
+        )
+    folder = tmp_path / "task_verify"
+    aggregate([run_mod.run_dir(cfg).parent], folder / "snapshot")
+    monkeypatch.setattr(V, "sample_runs", lambda results, experiment, every=False: sampled)
+
+    now, notes = V.rerun(folder, "unused", streams=2, outputs=session_outputs)
+    assert not notes and sorted(set(now["stream"])) == [0, 1]  # the first two of the three problems
+    tables = R.read_tables(folder / "snapshot")
+    snapshot = V.snapshot_answers(tables["streams"], tables["tasks"])
+    rows = V.compare(snapshot, now)
+    assert rows["ok"].all(), V.report(rows)
+    assert {"answer_nll", "exact_teacher_forced", "exact", "written_match"} <= set(rows["metric"])
+    assert (now["written_match"] == 1.0).all()
+
+    changed = tables["tasks"].copy()
+    changed.loc[changed["stream"] == 1, "written"] = "a different answer"
+    monkeypatch.setattr(R, "read_tables", lambda path: tables | {"tasks": changed})
+    again, _ = V.rerun(folder, "unused", streams=2, outputs=session_outputs)
+    bad = V.compare(snapshot, again)
+    assert set(bad.loc[~bad["ok"], "metric"]) == {"written_match"}
+    assert set(bad.loc[~bad["ok"], "stream"]) == {1}

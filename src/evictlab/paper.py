@@ -334,7 +334,12 @@ def verify_main(args) -> int:
         noise = pd.read_csv(folder / V.NOISE_FILE) if (folder / V.NOISE_FILE).exists() else None
         how = f"{V.NOISE_FACTOR:g} x the noise in {V.NOISE_FILE}" if noise is not None else "DECISION_TOL"
         print(f"{folder.name}: value-deciding policies' tolerance: {how}")
-        rows = V.compare(load_snapshot(folder)["streams"], now, noise) if len(now) else pd.DataFrame()
+        snap = load_snapshot(folder)
+        rows = (
+            V.compare(V.snapshot_answers(snap["streams"], snap.get("tasks")), now, noise)
+            if len(now)
+            else pd.DataFrame()
+        )
         for note in notes:
             print(f"note: {note}")
         print(f"\n{folder.name}: largest difference per run and metric")

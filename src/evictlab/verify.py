@@ -22,6 +22,12 @@ snapshot's (AVX2, a 1-thread 1024^3 matmul at 66 GFLOP/s against 111 where the s
 3.08651 -> 3.09040 (+0.0039 nats, 0.13%), KL +0.0036, agreement -0.002, while the full cache and the
 position-only policies agreed within 1e-5. The exit status is 1 when any difference is beyond
 its tolerance.
+
+A task run (eval.task=<a data/tasks task>) is compared on the same per-stream metrics over its task
+streams, and on its answers: each problem's answer NLL (relative tolerance, as nll), whether the answer
+was exact teacher-forced, and, for a policy that writes, whether the written answer is the snapshot's text
+(`written_match`) and exact. Its problems are drawn for all of the run's streams and the first K kept, so
+`--streams K` re-runs the snapshot's first K problems, not K other ones.
 """
 
 from __future__ import annotations
@@ -40,8 +46,8 @@ from evictlab import results as R
 REL_TOL = 1e-3  # nll, nll_full, kl: |now - snapshot| <= REL_TOL * |snapshot| (+ 1e-6)
 ABS_TOL = 3e-3  # agree, correct: shares of a stream's tokens
 DECISION_TOL = 2e-3  # a value-deciding policy's NLL and KL: |now - snapshot| <= DECISION_TOL x snapshot NLL
-RELATIVE = ("nll", "nll_full", "kl")
-ABSOLUTE = ("agree", "correct")
+RELATIVE = ("nll", "nll_full", "kl", "answer_nll")  # (answer_nll: task runs)
+ABSOLUTE = ("agree", "correct", "exact_teacher_forced", "exact", "written_match")  # (the last 3: task runs)
 GROUP_KEYS = {"strategy.name": "strategy", "budget.name": "budget"}  # config groups: chosen by name
 
 
@@ -134,6 +140,41 @@ def stream_means(per_token: dict[str, np.ndarray]) -> pd.DataFrame:
     compared = [name for name in (*RELATIVE, *ABSOLUTE) if name in per_token]
     frame = R.per_token_frame({name: per_token[name] for name in compared})
     return frame.groupby("stream")[compared].mean().reset_index()
+
+
+def answer_checks(graded: pd.DataFrame, snapshot: pd.DataFrame | None, run_key: str) -> pd.DataFrame:
+    """Per task stream, the answer metrics compared (`task_accuracy`'s frame re-run now): answer_nll,
+    exact_teacher_forced and, where the policy wrote, exact and written_match (1.0 where the written text is
+    the snapshot's; the snapshot side of it is 1.0, see `snapshot_answers`)."""
+    out = graded[["stream", "answer_nll"]].assign(
+        exact_teacher_forced=graded["exact_teacher_forced"].astype(float)
+    )
+    if "written" in graded:
+        out["exact"] = graded["exact"].astype(float)
+        was = (
+            pd.Series(dtype=object)
+            if snapshot is None or snapshot.empty
+            else (snapshot[snapshot["run_key"] == run_key].set_index("stream")["written"])
+        )
+        same = [
+            s in was.index and was[s] == w for s, w in zip(graded["stream"], graded["written"], strict=True)
+        ]
+        out["written_match"] = np.asarray(same, dtype=float)
+    return out
+
+
+def snapshot_answers(streams: pd.DataFrame, tasks: pd.DataFrame | None) -> pd.DataFrame:
+    """The snapshot's streams table with its task runs' answer metrics beside each stream (the side of
+    `compare` that `answer_checks` is compared with; written_match 1.0 where the snapshot wrote)."""
+    if tasks is None or tasks.empty:
+        return streams
+    cols = ["run_key", "stream", "answer_nll", "exact_teacher_forced"]
+    t = tasks[cols].assign(exact_teacher_forced=tasks["exact_teacher_forced"].astype(float))
+    if "written" in tasks:
+        wrote = tasks["written"].notna()
+        t["exact"] = tasks["exact"].astype(float).where(wrote)
+        t["written_match"] = wrote.astype(float).where(wrote)
+    return streams.merge(t, on=["run_key", "stream"], how="left")
 
 
 def decides(strategy: str) -> bool:
@@ -252,11 +293,13 @@ def rerun(
     references (never the shared ones, which are the unchanged model's); `deciding_only`: only the runs
     of policies that decide by values (`decides`)."""
     from evictlab.config import compose, key_dict, to_objects
-    from evictlab.eval.evaluate import evaluate
+    from evictlab.data.tasks import TASKS, TaskBatch
+    from evictlab.eval.evaluate import evaluate, task_accuracy, task_answers
     from evictlab.run import RunStages, run_key
     from evictlab.store import stable_hash
 
-    results = R.read_tables(folder / "snapshot")["results"]
+    tables = R.read_tables(folder / "snapshot")
+    results, snapshot_tasks = tables["results"], tables.get("tasks")
     if results.empty:
         raise ValueError(f"{folder / 'snapshot'} has no results to verify")
     frames, notes = [], []
@@ -266,10 +309,8 @@ def rerun(
             continue
         extra = [f"paths.outputs={outputs}"] if outputs else []
         cfg = to_objects(compose([*s.overrides, "logger=none", *extra]))
-        if cfg.eval.task.value != "lm":
-            notes.append(
-                f"{s.label}: skipped (verify compares language-modelling runs, not {cfg.eval.task.value})"
-            )
+        if cfg.eval.task.value not in ("lm", *TASKS):
+            notes.append(f"{s.label}: skipped (verify compares language-modelling and task runs, not recall)")
             continue
         notes += [
             f"{s.label}: config differs from the snapshot's: {d}" for d in config_differences(cfg, s.recorded)
@@ -280,18 +321,32 @@ def rerun(
         )
         if (same, cfg.seed) not in subjects:
             corpus, ck, model = stages.subject()
-            tokens = stages.streams(corpus, model)[0]
+            tokens, batch, _ = stages.streams(
+                corpus, model
+            )  # all of them: a task draws its problems in order
+            if streams is not None:
+                tokens, batch = (
+                    tokens[:streams],
+                    batch.head(streams) if isinstance(batch, TaskBatch) else batch,
+                )
             model = transform(model) if transform is not None else model
-            subjects[same, cfg.seed] = ck, model, tokens[:streams] if streams is not None else tokens
-        ck, model, tokens = subjects[same, cfg.seed]
+            subjects[same, cfg.seed] = ck, model, tokens, batch, corpus.tokenizer.decode
+        ck, model, tokens, batch, decode = subjects[same, cfg.seed]
         was = s.recorded_weights
         if was and was != ck.meta.get("weights_sha256"):
             notes.append(f"{s.label}: the checkpoint's weights are not the snapshot's (sha256 {was[:12]}...)")
         policy = cfg.strategy.build()
         spec = dataclasses.replace(cfg.eval.spec(), diagnostics=policy.needs_future)  # the oracle's future
         shared = stages.shared_references(ck) if transform is None else None
-        res = evaluate(model, tokens, cfg.strategy.build(), cfg.resolved_budget, spec, shared)
-        frames.append(stream_means(res.per_token).assign(run_key=s.run_key, run=s.label))
+        budget = cfg.resolved_budget
+        tasks = isinstance(batch, TaskBatch)
+        writing = task_answers(batch) if tasks and policy.can_generate() else None
+        res = evaluate(model, tokens, policy, budget, spec, shared, writing)
+        means = stream_means(res.per_token)
+        if tasks:
+            graded = task_accuracy(model, batch, policy, budget, spec, res, decode)
+            means = means.merge(answer_checks(graded, snapshot_tasks, s.run_key), on="stream", how="left")
+        frames.append(means.assign(run_key=s.run_key, run=s.label))
         print(f"{s.label}: {len(tokens)} stream(s) re-run", flush=True)
     return (pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()), notes
 

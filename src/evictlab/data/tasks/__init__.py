@@ -124,6 +124,19 @@ class TaskBatch:
     documents: list[str]  # [N] the documents each haystack comes from (TokenSplit.documents_in)
     task: Task = field(repr=False, default_factory=Task)
 
+    def head(self, k: int) -> TaskBatch:
+        """The first k problems (make verify --streams k: the same problems the whole batch starts with)."""
+        return TaskBatch(
+            self.tokens[:k],
+            self.answer[:k],
+            self.answer_start[:k],
+            self.answer_len[:k],
+            self.needle_pos[:k],
+            self.problems[:k],
+            self.documents[:k],
+            self.task,
+        )
+
 
 def _segments(tok, problem: Problem, task: Task, template: Template, prefix: np.ndarray):
     """The tokenized pieces around the haystack: (head, needles, tail, answer)."""
