@@ -93,14 +93,10 @@ def _parse(argv: list[str]) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="[%(asctime)s][%(name)s] %(message)s")
     args = _parse(sys.argv[1:] if argv is None else argv)
-    import torch
-
-    from evictlab.checkpoints import get_checkpoint
     from evictlab.config import compose, to_objects
-    from evictlab.data.dataset import load_corpus
     from evictlab.data.tasks import TASKS
     from evictlab.errors import ConfigError
-    from evictlab.perf import set_threads
+    from evictlab.run import RunStages, run_key
     from evictlab.store import git_info, write_atomic
 
     cfg = to_objects(compose(["eval.task_template=chatml", *args.overrides]))
@@ -108,10 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     unknown = sorted(set(tasks) - set(TASKS))
     if unknown:
         raise ConfigError(f"unknown task(s) {unknown}; known: {sorted(TASKS)}")
-    corpus = load_corpus(cfg.dataset, cfg.tokenizer, cfg.outputs, min_tokens=cfg.corpus_min_tokens)
-    ck = get_checkpoint(cfg, corpus)
-    set_threads(cfg.eval.threads)
-    model = ck.model.to(dtype=getattr(torch, cfg.model.dtype)).eval()
+    corpus, ck, model = RunStages(cfg, run_key(cfg), Path(".")).subject()  # as a run loads its subject
     done = pd.read_csv(args.out) if args.out.exists() else None
     answers_path = args.out.with_name(args.out.stem + "_answers.parquet")
     answers = pd.read_parquet(answers_path) if answers_path.exists() else pd.DataFrame()
