@@ -10,7 +10,8 @@ imported families use with partial rotary and smeared keys; plus learned absolut
 3 streams of 40 tokens, every policy and the parameter settings that change which code runs, both
 position modes, the fast path and the token loop; and SmolLM2-135M (model=smollm2_135m, float32, 2
 random streams of 129 tokens, budget 32, the fast path, both modes). Per stream: NLL, KL, agreement,
-occupancy and the last step attending to positions 0-3.
+occupancy and the last step attending to positions 0-3; for every policy that can generate, the same
+from the answer path (a prompt of T-8 tokens, 6 written) with its written tokens, and `generate`'s.
 
 The script is self-contained on purpose (its model matrix restates tests/test_policies.py's VARIANTS
 rather than importing it): `dump` runs against an older checkout's src, which may predate any shared
@@ -25,7 +26,8 @@ import sys
 import torch
 
 from evictlab.cache import POLICIES, make_policy
-from evictlab.eval import StreamSpec, full_reference, stream
+from evictlab.eval import StreamSpec, full_reference, generate, stream
+from evictlab.eval.engine import Answers
 from evictlab.models.gpt import GPT, GPTConfig
 
 FIELDS = ("nll", "kl", "agree", "occupancy", "last_attended")
@@ -88,11 +90,23 @@ def outputs(model, tokens, budgets: list[int], loops: tuple[bool, ...], modes) -
                     continue
                 for budget in budgets:
                     spec = StreamSpec(position_mode=mode, force_loop=loop)
-                    out = stream(model, tokens, policy, max(budget, policy.min_budget()), spec, reference=ref)
+                    b = max(budget, policy.min_budget())
+                    out = stream(model, tokens, policy, b, spec, reference=ref)
                     for f in FIELDS:
                         value = getattr(out, f)
                         if value is not None:
                             found[f"{case}|{mode}|loop={loop}|b={budget}|{f}"] = value.detach().cpu()
+                    if not policy.can_generate():
+                        continue
+                    # the answer path (a prompt of T-8 tokens, 6 written) and generate, as the tasks use them
+                    P = tokens.shape[1] - 8
+                    if not loop:
+                        out = stream(model, tokens, policy, b, spec, reference=ref, answers=Answers(P, 6))
+                        for f in (*FIELDS, "written"):
+                            if getattr(out, f) is not None:  # (no answer path: the recompute window)
+                                found[f"{case}|{mode}|answer|b={budget}|{f}"] = getattr(out, f).detach().cpu()
+                    written = generate(model, tokens[:, :P], policy, b, 6, spec)
+                    found[f"{case}|{mode}|loop={loop}|b={budget}|generate"] = written.detach().cpu()
     return found
 
 
