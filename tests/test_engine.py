@@ -634,3 +634,34 @@ def test_every_cache_layout_is_one_layer_cache_type_and_holds_what_its_evictions
             for i in rows:
                 assert torch.equal(K[0, h, i], keys[int(P[0, h, i]), 0, h, 0])
                 assert torch.equal(V[0, h, i], keys[int(P[0, h, i]), 0, h, 0] + 1)
+
+
+@pytest.mark.parametrize(
+    "name, spec, path",
+    [
+        ("window", StreamSpec(), "parallel"),
+        ("recompute_window", StreamSpec(), "recompute"),
+        ("h2o", StreamSpec(), "blocked"),
+        ("tova", StreamSpec(force_loop=True), "loop"),
+        ("streaming_llm", StreamSpec(), "answer"),
+    ],
+)
+def test_each_path_is_one_object_built_from_model_policy_plan_and_spec(model, tokens, name, spec, path):
+    """engine.PATHS holds one `Path` per plan.path; built from (model, policy, plan, spec) and run on the
+    tokens it is the stream (`stream` adds only its timings and the reference's first-4 mass)."""
+    from evictlab.eval.engine import PATHS, Answers, build_path
+    from evictlab.eval.paths import Path
+
+    assert set(PATHS) == {"parallel", "recompute", "blocked", "loop", "answer"}
+    assert all(issubclass(cls, Path) and cls.name == key for key, cls in PATHS.items())
+    policy, T = make_policy(name), tokens.shape[1]
+    answers = Answers(T - 4, 3) if path == "answer" else None
+    p = plan(policy, 8, spec, model.cfg.n_layer, T, model.cfg.n_embd, answers)
+    assert p.path == path
+    ref = full_reference(model, tokens)
+    built = build_path(model, make_policy(name), p, spec, answers)
+    assert isinstance(built, PATHS[path])
+    out = built.run(tokens, ref, torch.arange(tokens.shape[0]))
+    via = stream(model, tokens, make_policy(name), 8, spec, reference=ref, answers=answers)
+    assert out.path == via.path == path and torch.equal(out.nll, via.nll) and torch.equal(out.kl, via.kl)
+    assert torch.equal(out.occupancy, via.occupancy)

@@ -277,6 +277,49 @@ def compare(snapshot: pd.DataFrame, now: pd.DataFrame, noise: pd.DataFrame | Non
     return pd.DataFrame(rows)
 
 
+@dataclass
+class Subject:
+    """What the sampled runs of one (model, data, eval settings, seed) share: loaded once."""
+
+    checkpoint: object  # checkpoints.Checkpoint
+    model: object  # models.gpt.GPT (or `transform`'s copy)
+    tokens: object  # torch.Tensor [N, T]: the first K streams with --streams K
+    batch: object  # data/tasks.TaskBatch of those streams for a task run, else None
+    decode: object  # the tokenizer's decode
+
+
+def load_subject(stages, streams: int | None, transform=None) -> Subject:
+    """The run's corpus, model and streams as it loaded them; every stream built, then the first
+    `streams` kept (a task draws its problems in order)."""
+    from evictlab.data.tasks import TaskBatch
+
+    corpus, ck, model = stages.subject()
+    tokens, batch, _ = stages.streams(corpus, model)
+    if streams is not None:
+        tokens = tokens[:streams]
+        batch = batch.head(streams) if isinstance(batch, TaskBatch) else batch
+    model = transform(model) if transform is not None else model
+    return Subject(
+        ck, model, tokens, batch if isinstance(batch, TaskBatch) else None, corpus.tokenizer.decode
+    )
+
+
+def measure(cfg, subject: Subject, shared, tasks: pd.DataFrame | None, run_key: str) -> pd.DataFrame:
+    """One sampled run re-run on its subject -> per-stream means of the compared metrics (and, for a task
+    run, its answers against the snapshot's `tasks` table: `answer_checks`)."""
+    from evictlab.eval.evaluate import evaluate, task_accuracy, task_answers
+
+    policy, budget, batch = cfg.strategy.build(), cfg.resolved_budget, subject.batch
+    spec = dataclasses.replace(cfg.eval.spec(), diagnostics=policy.needs_future)  # the oracle's future
+    writing = task_answers(batch) if batch is not None and policy.can_generate() else None
+    res = evaluate(subject.model, subject.tokens, policy, budget, spec, shared, writing)
+    means = stream_means(res.per_token)
+    if batch is not None:
+        graded = task_accuracy(subject.model, batch, policy, budget, spec, res, subject.decode)
+        means = means.merge(answer_checks(graded, tasks, run_key), on="stream", how="left")
+    return means
+
+
 def rerun(
     folder: Path,
     experiment: str,
@@ -293,17 +336,16 @@ def rerun(
     references (never the shared ones, which are the unchanged model's); `deciding_only`: only the runs
     of policies that decide by values (`decides`)."""
     from evictlab.config import compose, key_dict, to_objects
-    from evictlab.data.tasks import TASKS, TaskBatch
-    from evictlab.eval.evaluate import evaluate, task_accuracy, task_answers
+    from evictlab.data.tasks import TASKS
     from evictlab.run import RunStages, run_key
     from evictlab.store import stable_hash
 
     tables = R.read_tables(folder / "snapshot")
-    results, snapshot_tasks = tables["results"], tables.get("tasks")
+    results = tables["results"]
     if results.empty:
         raise ValueError(f"{folder / 'snapshot'} has no results to verify")
     frames, notes = [], []
-    subjects = {}  # the sampled runs mostly share one model and one set of streams: loaded once
+    subjects: dict[tuple, Subject] = {}  # the sampled runs mostly share one model and one set of streams
     for s in sample_runs(results, experiment, every):
         if deciding_only and not decides(results.loc[results["run_key"] == s.run_key, "strategy"].iloc[0]):
             continue
@@ -316,38 +358,18 @@ def rerun(
             f"{s.label}: config differs from the snapshot's: {d}" for d in config_differences(cfg, s.recorded)
         ]
         stages = RunStages(cfg, run_key(cfg), Path("."))
-        same = stable_hash(
-            [key_dict(x) for x in (cfg.model, cfg.dataset, cfg.tokenizer, cfg.train, cfg.eval)]
-        )
-        if (same, cfg.seed) not in subjects:
-            corpus, ck, model = stages.subject()
-            tokens, batch, _ = stages.streams(
-                corpus, model
-            )  # all of them: a task draws its problems in order
-            if streams is not None:
-                tokens, batch = (
-                    tokens[:streams],
-                    batch.head(streams) if isinstance(batch, TaskBatch) else batch,
-                )
-            model = transform(model) if transform is not None else model
-            subjects[same, cfg.seed] = ck, model, tokens, batch, corpus.tokenizer.decode
-        ck, model, tokens, batch, decode = subjects[same, cfg.seed]
+        settings = [key_dict(x) for x in (cfg.model, cfg.dataset, cfg.tokenizer, cfg.train, cfg.eval)]
+        key = (stable_hash(settings), cfg.seed)
+        if key not in subjects:
+            subjects[key] = load_subject(stages, streams, transform)
+        subject = subjects[key]
         was = s.recorded_weights
-        if was and was != ck.meta.get("weights_sha256"):
+        if was and was != subject.checkpoint.meta.get("weights_sha256"):
             notes.append(f"{s.label}: the checkpoint's weights are not the snapshot's (sha256 {was[:12]}...)")
-        policy = cfg.strategy.build()
-        spec = dataclasses.replace(cfg.eval.spec(), diagnostics=policy.needs_future)  # the oracle's future
-        shared = stages.shared_references(ck) if transform is None else None
-        budget = cfg.resolved_budget
-        tasks = isinstance(batch, TaskBatch)
-        writing = task_answers(batch) if tasks and policy.can_generate() else None
-        res = evaluate(model, tokens, policy, budget, spec, shared, writing)
-        means = stream_means(res.per_token)
-        if tasks:
-            graded = task_accuracy(model, batch, policy, budget, spec, res, decode)
-            means = means.merge(answer_checks(graded, snapshot_tasks, s.run_key), on="stream", how="left")
+        shared = stages.shared_references(subject.checkpoint) if transform is None else None
+        means = measure(cfg, subject, shared, tables.get("tasks"), s.run_key)
         frames.append(means.assign(run_key=s.run_key, run=s.label))
-        print(f"{s.label}: {len(tokens)} stream(s) re-run", flush=True)
+        print(f"{s.label}: {len(subject.tokens)} stream(s) re-run", flush=True)
     return (pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()), notes
 
 

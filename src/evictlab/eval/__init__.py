@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 _WHERE = {
     "FullReference": "full",
     "PositionMode": "spec",
-    "StreamOutput": "engine",
+    "StreamOutput": "paths",
     "StreamSpec": "spec",
     "full_reference": "full",
     "generate": "engine",
@@ -32,9 +32,10 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
-    from evictlab.eval.engine import StreamOutput, generate, stream
+    from evictlab.eval.engine import generate, stream
     from evictlab.eval.full import FullReference, full_reference
     from evictlab.eval.naive import naive_stream
+    from evictlab.eval.paths import StreamOutput
     from evictlab.eval.spec import PositionMode, StreamSpec
 
 

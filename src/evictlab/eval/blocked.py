@@ -25,14 +25,16 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import ClassVar
 
 import numpy as np
 import torch
 
 from evictlab.cache.policies import Policy, StepContext
-from evictlab.eval.full import FullReference, Recorder, Tick, causal_weights
+from evictlab.eval.full import Recorder, causal_weights
 from evictlab.eval.loop import TokenLoop
-from evictlab.eval.spec import PositionMode
+from evictlab.eval.paths import Path, StreamOutput
 from evictlab.eval.wavefront import Wavefront, steady_start, wave_steps
 from evictlab.models.gpt import GPT, CausalSelfAttention
 
@@ -134,29 +136,25 @@ def _rows(init: dict[str, torch.Tensor], one: slice) -> dict[str, torch.Tensor]:
     return {name: x[:, :, one] for name, x in init.items()}
 
 
-@torch.no_grad()
-def stream_blocked(
-    model: GPT,
-    tokens: torch.Tensor,
-    policy: Policy,
-    budgets: list[int],
-    mode: PositionMode,
-    ref: FullReference | None,
-    doc: torch.Tensor,
-    block: int,
-    tick: Tick | None = None,
-) -> tuple[dict[str, torch.Tensor], TokenLoop]:
-    """Stream tokens [B, T] on the blocked path, `block` steps at a time -> (metrics, the loop state).
-    Where it can, the steps from the first eviction on run as a wavefront over layers (eval/wavefront.py)
-    in blocks of `wave_steps(block)`."""
-    inp, tgt = tokens[:, :-1], tokens[:, 1:]
-    rec = Recorder(tgt, None, ref, tick)
-    loop = TokenLoop(model, policy, budgets, mode, inp.shape[0], inp.shape[1], doc, ref)
-    run_blocked(model, inp, loop, block, rec)
-    out = rec.out
-    if loop.lost is not None:
-        out["lost"] = loop.lost.values
-    return out, loop
+@dataclass
+class BlockedPath(Path):
+    """Every cache policy that is not position-static: the token loop layer by layer over blocks of
+    `plan.block` steps. Where it can, the steps from the first eviction on run as a wavefront over layers
+    (eval/wavefront.py) in blocks of `wave_steps(block)`."""
+
+    name: ClassVar[str] = "blocked"
+
+    @torch.no_grad()
+    def run(self, tokens, reference, doc, tick=None) -> StreamOutput:
+        inp, tgt = tokens[:, :-1], tokens[:, 1:]
+        rec = Recorder(tgt, None, reference, tick)
+        budgets, mode = list(self.plan.budgets), self.spec.position_mode
+        loop = TokenLoop(self.model, self.policy, budgets, mode, inp.shape[0], inp.shape[1], doc, reference)
+        run_blocked(self.model, inp, loop, self.plan.block, rec)
+        out = rec.out
+        if loop.lost is not None:
+            out["lost"] = loop.lost.values
+        return self.cache_output(out, loop)
 
 
 class _Discard:

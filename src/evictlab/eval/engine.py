@@ -1,9 +1,10 @@
 """The streaming engine: teacher-forced decoding of a batch of documents through a fixed-budget KV cache.
 
 `plan(policy, budget, spec, n_layer, T)` decides, in one place and from nothing but the policy's flags and
-the settings, how a stream runs: its path, the per-layer budgets and the block size. `stream` then calls
-that path's runner; every runner takes the same arguments and returns a `StreamOutput`. The paths, all
-exact (tests/test_policies.py holds each equal to the naive loop):
+the settings, how a stream runs: its path, the per-layer budgets, the block size and the windows (`Plan`).
+`stream` then builds that path (an `eval/paths.py: Path`, from the model, the policy, the plan and the
+spec) and runs it; every path returns a `StreamOutput`. The paths, all exact (tests/test_policies.py
+holds each equal to the naive loop):
 
 * **parallel** - position-static policies (`static_window`) in both position modes (in ``cache`` mode a
   contiguous run keeps its distances and only the sinks move): blocks of queries, each over the keys
@@ -25,8 +26,8 @@ the entries kept after step t-1 (at most `budget`) plus itself; then the cache i
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
+from typing import ClassVar
 
 import torch
 
@@ -34,12 +35,12 @@ from evictlab.cache.budget import budgets_for
 from evictlab.cache.policies import Policy
 from evictlab.errors import ConfigError
 from evictlab.eval import blocked
-from evictlab.eval.blocked import prefill, stream_blocked
-from evictlab.eval.caches import last_attended
+from evictlab.eval.blocked import BlockedPath, prefill
 from evictlab.eval.full import FullReference, Recorder, Tick
-from evictlab.eval.loop import TokenLoop, stream_loop
-from evictlab.eval.spec import DEFAULT, PositionMode, StreamSpec, check_positions, sampled_steps
-from evictlab.eval.static import stream_recompute, stream_static
+from evictlab.eval.loop import LoopPath, TokenLoop
+from evictlab.eval.paths import Path, Plan, StreamOutput
+from evictlab.eval.spec import DEFAULT, StreamSpec, check_positions
+from evictlab.eval.static import ParallelPath, RecomputePath
 from evictlab.models.gpt import GPT
 
 # At most this many steps per block on the blocked path and on the static path of bounded windows (whose
@@ -64,27 +65,6 @@ def window_block(width: int) -> int:
 
 
 @dataclass
-class StreamOutput:
-    nll: torch.Tensor  # [B, n] per predicted token
-    correct: torch.Tensor  # [B, n] 1 where the policy's top-1 prediction is the true token
-    occupancy: torch.Tensor  # [n, L] entries held after each step
-    path: str  # parallel | blocked | loop | recompute | answer (Plan.path)
-    budgets: list[int]  # per layer
-    kl: torch.Tensor | None = None  # [B, n] KL(p_full || p_policy)
-    agree: torch.Tensor | None = None  # [B, n] top-1 agreement with the full cache
-    lost: torch.Tensor | None = None  # [B, n, L] full-cache attention on entries the policy does not hold
-    first4_mass: torch.Tensor | None = None  # [B, n, L] full-cache attention on positions 0-3
-    # [B, L, Hkv or 1, N_FIRST]: the last step whose query attends to each of positions 0-3 (-1: every step)
-    last_attended: torch.Tensor | None = None
-    block: int = 0  # Plan.block
-    seconds: float = 0.0
-    policy_seconds: float = 0.0  # time inside policy scoring and victim selection
-    compile_seconds: float = 0.0  # torch.compile of the loop's steady step (spec.compile), part of `seconds`
-    kept: list[torch.Tensor] = field(default_factory=list)  # per layer [B, Hkv, S] final positions (loop)
-    written: torch.Tensor | None = None  # [B, n_new] greedy answers (the answer path, `Answers`)
-
-
-@dataclass
 class Answers:
     """Answers to write while streaming (the long-context tasks): every row's prompt ends at `prompt_end`
     (tokens[:, :prompt_end]) and `n_new` tokens are decoded greedily from it under the policy. On the answer
@@ -93,18 +73,6 @@ class Answers:
     prompt_end: int
     n_new: int
     clock: DecodeClock | None = None  # where the writing's time goes (DecodeClock, below)
-
-
-@dataclass(frozen=True)
-class Plan:
-    """How one stream runs, decided before any work (`plan`); metrics.json records `path` and `block`."""
-
-    path: str  # parallel | blocked | loop | recompute | answer
-    budgets: tuple[int, ...]  # KV entries each layer keeps between steps
-    block: int  # steps per block (queries per block on the parallel path); 1 on the token loop
-    compiled: bool = False  # the loop's steady step through torch.compile
-    # per layer (n_sink, lookback) of a position-static window (parallel and recompute paths), else None
-    windows: tuple[tuple[int, int | None], ...] | None = None
 
 
 def plan(
@@ -148,115 +116,51 @@ def plan(
     return Plan("loop", budgets, 1, compiled=spec.compile)
 
 
-# (model, tokens, policy, plan, reference, doc, spec, tick) -> StreamOutput; `tick(token_steps)` after each
-# block (or token) the path records (eval/progress.py)
-Runner = Callable[..., StreamOutput]
-
-
-def _static_output(per_token: dict, tokens: torch.Tensor, p: Plan) -> StreamOutput:
-    """A static path's output: layer l holds min(step, budget_l) entries after each step, and its
-    window (n_sink, lookback: Plan.windows) decides which steps attend to the first positions."""
-    B, T = tokens.shape
-    steps = torch.arange(1, T, device=tokens.device)
-    occupancy = torch.stack([steps.clamp(max=b) for b in p.budgets], dim=-1)
-    last = last_attended(list(p.windows), T - 1).to(tokens.device)[None, :, None].expand(B, -1, 1, -1)
-    return StreamOutput(
-        **per_token, occupancy=occupancy, path=p.path, budgets=list(p.budgets), last_attended=last
-    )
-
-
-def _cache_output(per_token: dict, loop, p: Plan, **extra) -> StreamOutput:
-    """A slot-cache path's output (blocked, loop): what its caches held, when they dropped positions 0-3."""
-    return StreamOutput(
-        **per_token,
-        occupancy=loop.occupancy,
-        path=p.path,
-        budgets=list(p.budgets),
-        policy_seconds=loop.policy_seconds,
-        kept=[c.pos.clone() for c in loop.caches],
-        last_attended=torch.stack([c.dropped for c in loop.caches], 1),
-        **extra,
-    )
-
-
-def run_parallel(
-    model, tokens, policy, p: Plan, reference, doc, spec: StreamSpec, tick: Tick | None = None
-) -> StreamOutput:
-    cache_mode = spec.position_mode is PositionMode.cache
-    ablate = (policy.part, policy.ablated(len(p.windows))) if policy.ablation else None
-    per_token = stream_static(model, tokens, list(p.windows), reference, p.block, cache_mode, ablate, tick)
-    return _static_output(per_token, tokens, p)
-
-
-def run_recompute(
-    model, tokens, policy, p: Plan, reference, doc, spec: StreamSpec, tick: Tick | None = None
-) -> StreamOutput:
-    steps = sampled_steps(tokens.shape[1] - 1, spec.recompute_sample)
-    per_token = stream_recompute(
-        model, tokens, p.budgets[0] + 1, reference, p.block, n_sink=policy.n_sink, tick=tick, steps=steps
-    )
-    return _static_output(per_token, tokens, p)
-
-
-def run_blocked(
-    model, tokens, policy, p: Plan, reference, doc, spec: StreamSpec, tick: Tick | None = None
-) -> StreamOutput:
-    budgets = list(p.budgets)
-    per_token, loop = stream_blocked(
-        model, tokens, policy, budgets, spec.position_mode, reference, doc, p.block, tick
-    )
-    return _cache_output(per_token, loop, p)
-
-
-def run_loop(
-    model, tokens, policy, p: Plan, reference, doc, spec: StreamSpec, tick: Tick | None = None
-) -> StreamOutput:
-    budgets, mode = list(p.budgets), spec.position_mode
-    per_token, loop, _ = stream_loop(
-        model, tokens, policy, budgets, mode, reference, doc, compile=p.compiled, tick=tick
-    )
-    lost = None if loop.lost is None else loop.lost.values
-    return _cache_output(per_token, loop, p, lost=lost, compile_seconds=loop.compile_seconds)
-
-
-@torch.no_grad()
-def run_answer(
-    model, tokens, policy, p: Plan, reference, doc, spec: StreamSpec, tick: Tick | None = None, answers=None
-) -> StreamOutput:
+@dataclass
+class AnswerPath(Path):
     """The blocked path that writes answers on the way: the prompt's steps (0 .. P-2) on the blocked path,
     then a fork of its caches decodes `answers.n_new` tokens greedily while the stream goes on teacher-
     forced through the token loop (steps P-1 .. T-2). Each part equals its own pass (the blocked path and
     `generate`, tests/test_tasks.py), but the prompt, nearly all of a task stream, runs once."""
-    P, n_new, clock = answers.prompt_end, answers.n_new, answers.clock
-    B, T = tokens.shape
-    n = T - 1
-    inp, tgt = tokens[:, :-1], tokens[:, 1:]
-    start = time.perf_counter()
-    rec = Recorder(tgt, None, reference, tick)
-    loop = TokenLoop(
-        model, policy, list(p.budgets), spec.position_mode, B, max(n, P - 1 + n_new), doc, reference
-    )
-    blocked.run_blocked(model, inp[:, : P - 1], loop, p.block, rec)
-    prefill_s = time.perf_counter() - start
-    twin, writer = _fused_twin(loop, clock), loop.fork()
-    for t in range(P - 1, n):  # the rest of the stream, teacher-forced
-        rec.add(t, loop.decode_one_token(inp[:, t : t + 1], t)[:, None])
-    written = torch.cat([tokens[:, :P], tokens.new_zeros(B, n_new)], 1)
-    _write(writer, twin, written, P, clock, prefill_s)
-    out = rec.out
-    if loop.lost is not None:
-        out["lost"] = loop.lost.values[:, :n]
-    loop.held = loop.held[:n]  # (sized for the written tokens too)
-    return replace(_cache_output(out, loop, p), written=written[:, P:])
+
+    name: ClassVar[str] = "answer"
+    answers: Answers | None = None
+
+    @torch.no_grad()
+    def run(self, tokens, reference, doc, tick=None) -> StreamOutput:
+        P, n_new, clock = self.answers.prompt_end, self.answers.n_new, self.answers.clock
+        B, T = tokens.shape
+        n = T - 1
+        inp, tgt = tokens[:, :-1], tokens[:, 1:]
+        start = time.perf_counter()
+        rec = Recorder(tgt, None, reference, tick)
+        budgets, mode = list(self.plan.budgets), self.spec.position_mode
+        loop = TokenLoop(self.model, self.policy, budgets, mode, B, max(n, P - 1 + n_new), doc, reference)
+        blocked.run_blocked(self.model, inp[:, : P - 1], loop, self.plan.block, rec)
+        prefill_s = time.perf_counter() - start
+        twin, writer = _fused_twin(loop, clock), loop.fork()
+        for t in range(P - 1, n):  # the rest of the stream, teacher-forced
+            rec.add(t, loop.decode_one_token(inp[:, t : t + 1], t)[:, None])
+        written = torch.cat([tokens[:, :P], tokens.new_zeros(B, n_new)], 1)
+        _write(writer, twin, written, P, clock, prefill_s)
+        out = rec.out
+        if loop.lost is not None:
+            out["lost"] = loop.lost.values[:, :n]
+        loop.held = loop.held[:n]  # (sized for the written tokens too)
+        return replace(self.cache_output(out, loop), written=written[:, P:])
 
 
-RUNNERS: dict[str, Runner] = {
-    "parallel": run_parallel,
-    "blocked": run_blocked,
-    "loop": run_loop,
-    "recompute": run_recompute,
-    "answer": run_answer,
+# Plan.path -> the path that runs it
+PATHS: dict[str, type[Path]] = {
+    cls.name: cls for cls in (ParallelPath, BlockedPath, LoopPath, RecomputePath, AnswerPath)
 }
+
+
+def build_path(model: GPT, policy: Policy, p: Plan, spec: StreamSpec, answers: Answers | None = None) -> Path:
+    """The path object `p` names, built from everything decided before the stream."""
+    if p.path == "answer":
+        return AnswerPath(model, policy, p, spec, answers)
+    return PATHS[p.path](model, policy, p, spec)
 
 
 def stream(
@@ -291,8 +195,7 @@ def stream(
     doc = doc if doc is not None else torch.arange(B, device=tokens.device)
     model.eval()
     start = time.perf_counter()
-    extra = {"answers": answers} if p.path == "answer" else {}
-    out = RUNNERS[p.path](model, tokens, policy, p, reference, doc, spec, tick, **extra)
+    out = build_path(model, policy, p, spec, answers).run(tokens, reference, doc, tick)
     seconds = time.perf_counter() - start
     first4_mass = None
     if reference is not None and reference.attention is not None:  # NaN past the steps the reference covers
@@ -375,9 +278,7 @@ def generate(
         return out
     doc = doc if doc is not None else torch.arange(B, device=prompt.device)
     if spec.force_loop:  # the reference: the prompt token by token too
-        _, _, filled = stream_loop(
-            model, tokens, policy, list(p.budgets), spec.position_mode, None, doc, generate_from=P
-        )
+        _, _, filled = LoopPath(model, policy, p, spec).stream(tokens, None, doc, generate_from=P)
         return filled[:, P:]
     # the prompt on the blocked path (every policy that can generate runs on it), then token by token
     n = tokens.shape[1] - 1

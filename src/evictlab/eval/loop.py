@@ -19,6 +19,8 @@ from __future__ import annotations
 import copy
 import time
 import warnings
+from dataclasses import dataclass
+from typing import ClassVar
 
 import numpy as np
 import torch
@@ -27,7 +29,8 @@ import torch.nn.functional as F
 from evictlab.cache.policies import Policy, StepContext, choose_victim
 from evictlab.errors import ConfigError
 from evictlab.eval.caches import SlotCache, ranks
-from evictlab.eval.full import FullReference, Tick, gather_rows, token_metrics
+from evictlab.eval.full import FullReference, gather_rows, token_metrics
+from evictlab.eval.paths import Path, StreamOutput
 from evictlab.eval.spec import PositionMode
 from evictlab.models.gpt import GPT, CausalSelfAttention
 from evictlab.models.rope import Rope, rotate
@@ -277,65 +280,72 @@ class TokenLoop:
         return lambda pos: gather_rows(rows, pos)
 
 
-@torch.no_grad()
-def stream_loop(
-    model: GPT,
-    tokens: torch.Tensor,
-    policy: Policy,
-    budgets: list[int],
-    mode: PositionMode,
-    ref: FullReference | None,
-    doc: torch.Tensor,
-    generate_from: int | None = None,
-    compile: bool = False,
-    tick: Tick | None = None,
-):
-    """Stream tokens [B, T] through the token loop -> (per-token metrics [B, n] by name, the loop).
-    Metrics against the full cache are NaN past the steps its reference covers.
-    With `generate_from=P`, tokens from position P on are generated greedily (each step's argmax is the
-    next step's input) instead of read, and `tokens` is returned with them filled in.
+@dataclass
+class LoopPath(Path):
+    """One token per step over preallocated slot buffers (`TokenLoop`): eval.force_loop (the engine's
+    cross-check), eval.compile, and generate's reference.
 
     Once every layer's cache is full (`TokenLoop.steady_from`) each step is the same computation on the
-    same shapes: the loop then passes the step index as a tensor and, with `compile`, runs the step
+    same shapes: the loop then passes the step index as a tensor and, with `plan.compiled`, runs the step
     through `torch.compile` (one graph for all steady steps; 3-15 s to compile here, then about 2.7x
     the eager token rate at batch 1: worth it on long streams, see benchmarks/README.md "Long streams")."""
-    tokens = tokens.clone() if generate_from is not None else tokens
-    inp, tgt = tokens[:, :-1], tokens[:, 1:]  # views: generated tokens become the next inputs
-    B, n = inp.shape
-    loop = TokenLoop(model, policy, budgets, mode, B, n, doc, ref)
-    covered = 0 if ref is None else ref.logp.shape[1]  # steps the full-cache reference covers
-    names = ["nll", "correct"] + (["kl", "agree"] if ref is not None else [])
-    per_token = {name: loop.like.new_full((B, n), float("nan")) for name in names}
-    steady_from = loop.steady_from()
-    step, steady = loop.decode_one_token, False
-    for t in range(n):
-        if t == steady_from:
-            steady = True
-            loop.record_held(t, None, budgets)
-            step = torch.compile(loop.decode_one_token, dynamic=False) if compile else step
-        first_compiled = compile and t == steady_from
-        start = time.perf_counter() if first_compiled else 0.0
-        t_in = torch.tensor(t, device=inp.device) if steady else t
-        try:
-            logp = step(inp[:, t : t + 1], t_in, steady)
-        except Exception as e:  # compilation fails before the step runs: no C++ compiler, an unsupported op
-            if not first_compiled:
-                raise
-            first = (str(e).strip().splitlines() or [""])[0]
-            why = f"{type(e).__name__}: {first}"
-            warnings.warn(f"eval.compile: torch.compile failed ({why}); the loop runs eager", stacklevel=2)
-            step = loop.decode_one_token
-            logp = step(inp[:, t : t + 1], t_in, steady)
-        if first_compiled:
-            loop.compile_seconds = time.perf_counter() - start
-        if generate_from is not None and t + 1 >= generate_from:
-            tokens[:, t + 1] = logp.argmax(-1)
-        metrics = token_metrics(logp, tgt[:, t], ref.logp[:, t] if t < covered else None)
-        for name, value in metrics.items():
-            per_token[name][:, t] = value
-        if tick is not None:
-            tick(B)
-    return per_token, loop, tokens
+
+    name: ClassVar[str] = "loop"
+
+    def run(self, tokens, reference, doc, tick=None) -> StreamOutput:
+        per_token, loop, _ = self.stream(tokens, reference, doc, tick=tick)
+        lost = None if loop.lost is None else loop.lost.values
+        return self.cache_output(per_token, loop, lost=lost, compile_seconds=loop.compile_seconds)
+
+    @torch.no_grad()
+    def stream(self, tokens, ref, doc, generate_from: int | None = None, tick=None):
+        """Stream tokens [B, T] -> (per-token metrics [B, n] by name, the loop, the tokens). Metrics against
+        the full cache are NaN past the steps its reference covers. With `generate_from=P`, tokens from
+        position P on are generated greedily (each step's argmax is the next step's input) instead of
+        read, and the tokens are returned with them filled in."""
+        tokens = tokens.clone() if generate_from is not None else tokens
+        inp, tgt = tokens[:, :-1], tokens[:, 1:]  # views: generated tokens become the next inputs
+        B, n = inp.shape
+        budgets, compile = list(self.plan.budgets), self.plan.compiled
+        loop = TokenLoop(self.model, self.policy, budgets, self.spec.position_mode, B, n, doc, ref)
+        covered = 0 if ref is None else ref.logp.shape[1]  # steps the full-cache reference covers
+        names = ["nll", "correct"] + (["kl", "agree"] if ref is not None else [])
+        per_token = {name: loop.like.new_full((B, n), float("nan")) for name in names}
+        steady_from = loop.steady_from()
+        step, steady = loop.decode_one_token, False
+        for t in range(n):
+            if t == steady_from:
+                steady = True
+                loop.record_held(t, None, budgets)
+                step = torch.compile(loop.decode_one_token, dynamic=False) if compile else step
+            first_compiled = compile and t == steady_from
+            start = time.perf_counter() if first_compiled else 0.0
+            t_in = torch.tensor(t, device=inp.device) if steady else t
+            try:
+                logp = step(inp[:, t : t + 1], t_in, steady)
+            except Exception as e:  # compiling fails before the step runs: no C++ compiler, an unsupported op
+                if not first_compiled:
+                    raise
+                step = _eager_after(e, loop)
+                logp = step(inp[:, t : t + 1], t_in, steady)
+            if first_compiled:
+                loop.compile_seconds = time.perf_counter() - start
+            if generate_from is not None and t + 1 >= generate_from:
+                tokens[:, t + 1] = logp.argmax(-1)
+            metrics = token_metrics(logp, tgt[:, t], ref.logp[:, t] if t < covered else None)
+            for name, value in metrics.items():
+                per_token[name][:, t] = value
+            if tick is not None:
+                tick(B)
+        return per_token, loop, tokens
+
+
+def _eager_after(error: Exception, loop: TokenLoop):
+    """eval.compile's fallback: a warning naming why torch.compile failed, and the eager step."""
+    first = (str(error).strip().splitlines() or [""])[0]
+    why = f"{type(error).__name__}: {first}"
+    warnings.warn(f"eval.compile: torch.compile failed ({why}); the loop runs eager", stacklevel=3)
+    return loop.decode_one_token
 
 
 class FusedTokenLoop(TokenLoop):

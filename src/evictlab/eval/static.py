@@ -1,27 +1,33 @@
 """The static paths: policies whose kept set depends only on positions, and the re-computation baseline.
 
 A position-static policy keeps, for query i, the keys j <= i with j < n_sink or j >= i - lookback
-(`Policy.static_window`). The stream runs in blocks of `spec.block` queries; each layer keeps only the
-keys a later block can still reach (the sinks and the last `lookback` positions; every key for the full
-cache), so a block's attention is O(block x (block + budget)) and memory stays flat in stream length
-for bounded policies (O(T) keys for the full cache, O(T^2) compute, as it must be). A stream no longer
-than one block is one forward with a keep mask, exactly as before.
+(`Policy.static_window`): `ParallelPath`. The stream runs in blocks of `plan.block` queries; each layer
+keeps only the keys a later block can still reach (the sinks and the last `lookback` positions; every key
+for the full cache), so a block's attention is O(block x (block + budget)) and memory stays flat in
+stream length for bounded policies (O(T) keys for the full cache, O(T^2) compute, as it must be). A
+stream no longer than one block is one forward with a keep mask, exactly as before. `RecomputePath` is
+the window with re-computation (no cache).
 
 Each block's logits become per-token metrics at once (`eval/full.py: Recorder`), so no [B, T, V] tensor is
-held.
-"""
+held."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
 
 from evictlab.eval.caches import BandCache
-from evictlab.eval.full import Recorder, Tick
+from evictlab.eval.full import Recorder
+from evictlab.eval.paths import Path, StreamOutput
+from evictlab.eval.spec import PositionMode, sampled_steps
 from evictlab.models.gpt import GPT, CausalSelfAttention
 from evictlab.models.rope import Rope
+
+CHUNK_TOKENS = 2048  # the recompute path's windows per forward: about this many tokens
 
 
 class _BandAttention:
@@ -96,28 +102,27 @@ class _BandAttention:
         return bias.masked_fill_(~mask, float("-inf"))
 
 
-@torch.no_grad()
-def stream_static(
-    model: GPT,
-    tokens: torch.Tensor,
-    windows: list[tuple[int, int | None]],
-    ref,
-    block: int,
-    cache_mode: bool = False,
-    ablate: tuple[str, list[bool]] | None = None,
-    tick: Tick | None = None,
-):
-    """Stream tokens [B, T] under per-layer static windows, `block` queries at a time -> metrics by name;
-    `cache_mode`: positions re-indexed inside the cache (see _BandAttention); `ablate`: bos_ablation's
-    (part, per-layer flags)."""
-    inp, tgt = tokens[:, :-1], tokens[:, 1:]
-    n = inp.shape[1]
-    rec = Recorder(tgt, windows, ref, tick)
-    caches, rope = [BandCache(*w) for w in windows], Rope.for_model(model, tokens.device)
-    attend = _BandAttention(caches, rope, cache_mode, ablate)
-    for s, e, pos in attend.blocks(n, block, tokens.device):
-        rec.add(s, model.forward_with(inp[:, s:e], pos, attend))
-    return rec.out
+@dataclass
+class ParallelPath(Path):
+    """Position-static policies (`Policy.static_window`) in both position modes: blocks of `plan.block`
+    queries, each over the keys its layer's window (Plan.windows) reaches; in cache mode positions are
+    re-indexed inside the cache (see _BandAttention); bos_ablation's part and layers ablated."""
+
+    name: ClassVar[str] = "parallel"
+
+    @torch.no_grad()
+    def run(self, tokens, reference, doc, tick=None) -> StreamOutput:
+        model, windows = self.model, list(self.plan.windows)
+        inp, tgt = tokens[:, :-1], tokens[:, 1:]
+        n = inp.shape[1]
+        ablate = (self.policy.part, self.policy.ablated(len(windows))) if self.policy.ablation else None
+        cache_mode = self.spec.position_mode is PositionMode.cache
+        rec = Recorder(tgt, windows, reference, tick)
+        caches, rope = [BandCache(*w) for w in windows], Rope.for_model(model, tokens.device)
+        attend = _BandAttention(caches, rope, cache_mode, ablate)
+        for s, e, pos in attend.blocks(n, self.plan.block, tokens.device):
+            rec.add(s, model.forward_with(inp[:, s:e], pos, attend))
+        return self.static_output(rec.out, tokens)
 
 
 def recompute_windows(inp: torch.Tensor, W: int, first: int, last: int, n_sink: int = 0) -> torch.Tensor:
@@ -131,49 +136,48 @@ def recompute_windows(inp: torch.Tensor, W: int, first: int, last: int, n_sink: 
     return rows.reshape(-1, W)
 
 
-@torch.no_grad()
-def stream_recompute(
-    model: GPT,
-    tokens: torch.Tensor,
-    W: int,
-    ref,
-    block: int,
-    chunk_tokens: int = 2048,
-    n_sink: int = 0,
-    tick: Tick | None = None,
-    steps: list[int] | None = None,
-):
+@dataclass
+class RecomputePath(Path):
     """Window of the last W = budget + 1 tokens, re-encoded at positions 0 .. W-1 for every prediction (the
     StreamingLLM paper's baseline, in both position modes: RoPE scores depend only on distances, and
-    learned absolute positions never run past the window). With `n_sink`, the stream's first n_sink
-    tokens head every window, followed by the last W - n_sink.
+    learned absolute positions never run past the window). With the policy's `n_sink`, the stream's first
+    n_sink tokens head every window, followed by the last W - n_sink. `spec.recompute_sample`: only those
+    predictions, one per stratum (`sampled_steps`; the others stay NaN).
 
     While t < W the window is the whole prefix 0..t at positions 0..t, i.e. the full cache: one causal
     forward covers those steps. Every later step is a full window of W tokens; they run as batched
-    causal forwards (no padding, so the fused causal kernel applies) of about `chunk_tokens` tokens
-    (larger ones fall out of the CPU caches), `block` steps at a time.
+    causal forwards (no padding, so the fused causal kernel applies) of about CHUNK_TOKENS tokens
+    (larger ones fall out of the CPU caches), `plan.block` steps at a time.
     """
-    inp, tgt = tokens[:, :-1], tokens[:, 1:]
-    B, n = inp.shape
-    rec = Recorder(tgt, [(n_sink, W - 1 - n_sink)] * model.cfg.n_layer, ref, tick)
-    rows_per_chunk = max(1, chunk_tokens // W)
-    if steps is not None and len(steps) < n:
-        return _recompute_steps(model, inp, W, rec, steps, rows_per_chunk, n_sink)
-    rec.add(0, model(inp[:, : min(W, n)]))  # steps 0 .. W-1: the window is the prefix
-    for s in range(W, n, block):
-        e = min(n, s + block)
-        rows, pos = recompute_windows(inp, W, s, e, n_sink), torch.arange(W, device=tokens.device)
-        parts = []
-        for r in range(0, rows.shape[0], rows_per_chunk):
-            parts.append(model.forward_with(rows[r : r + rows_per_chunk], pos, last_only=True))
-        rec.add(s, torch.cat(parts).view(B, e - s, -1))
-    return rec.out
+
+    name: ClassVar[str] = "recompute"
+
+    @torch.no_grad()
+    def run(self, tokens, reference, doc, tick=None) -> StreamOutput:
+        model, W, n_sink = self.model, self.plan.budgets[0] + 1, self.policy.n_sink
+        inp, tgt = tokens[:, :-1], tokens[:, 1:]
+        B, n = inp.shape
+        rec = Recorder(tgt, [(n_sink, W - 1 - n_sink)] * model.cfg.n_layer, reference, tick)
+        rows_per_chunk = max(1, CHUNK_TOKENS // W)
+        steps = sampled_steps(n, self.spec.recompute_sample)
+        if steps is not None and len(steps) < n:
+            _recompute_steps(model, inp, W, rec, steps, rows_per_chunk, n_sink)
+            return self.static_output(rec.out, tokens)
+        rec.add(0, model(inp[:, : min(W, n)]))  # steps 0 .. W-1: the window is the prefix
+        for s in range(W, n, self.plan.block):
+            e = min(n, s + self.plan.block)
+            rows, pos = recompute_windows(inp, W, s, e, n_sink), torch.arange(W, device=tokens.device)
+            parts = []
+            for r in range(0, rows.shape[0], rows_per_chunk):
+                parts.append(model.forward_with(rows[r : r + rows_per_chunk], pos, last_only=True))
+            rec.add(s, torch.cat(parts).view(B, e - s, -1))
+        return self.static_output(rec.out, tokens)
 
 
 def _recompute_steps(
     model: GPT, inp, W: int, rec: Recorder, steps: list[int], rows_per_chunk: int, n_sink: int
 ):
-    """`stream_recompute` at the given steps only (the others stay NaN): those before W from one causal
+    """`RecomputePath` at the given steps only (the others stay NaN): those before W from one causal
     forward of the prefix, each later one from its own window, about rows_per_chunk windows per forward."""
     B = inp.shape[0]
     head = [t for t in steps if t < W]
