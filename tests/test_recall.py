@@ -171,3 +171,39 @@ def test_smear_keys_off_is_left_out_of_checkpoint_and_run_keys(tmp_path, monkeyp
     store_mod.checkpoint_key(base, corpus), store_mod.checkpoint_key(on, corpus)
     assert "smear_keys" not in hashed[0]["model"] and hashed[0]["model"]["n_layer"] == base.model.n_layer
     assert hashed[1]["model"]["smear_keys"] is True
+
+
+def test_verify_re_runs_a_recall_snapshot_answer_by_answer(session_outputs, tmp_path, monkeypatch):
+    """make verify on a pass-key sweep: its first streams re-run and each answer's NLL, teacher-forced and
+    greedy exact match compared with the snapshot's recall table; an answer NLL 1% off fails."""
+    from evictlab import results as R
+    from evictlab import run as run_mod
+    from evictlab import verify as V
+    from evictlab.analysis.aggregate import aggregate
+    from tests.test_pipeline import FAST, cfg_for
+
+    recall = [
+        "eval.task=recall",
+        "eval.stream_len=160",
+        "eval.recall_per_depth=2",
+        "eval.recall_depths=[0.25,0.75]",
+    ]
+    overrides = ["group=recall_verify", "strategy=tova", "budget=b32", "logger=none", *recall]
+    cfg = cfg_for(session_outputs, *overrides)
+    run_mod.run(cfg)
+    folder = tmp_path / "recall_verify"
+    aggregate([run_mod.run_dir(cfg).parent], folder / "snapshot")
+    sampled = [V.Sampled(run_mod.run_key(cfg), "tova b32 original", [*FAST, *overrides], {}, None)]
+    monkeypatch.setattr(V, "sample_runs", lambda results, experiment, every=False: sampled)
+    now, notes = V.rerun(folder, "unused", streams=3, outputs=session_outputs)
+    assert not notes and sorted(set(now["stream"])) == [0, 1, 2]
+    tables = R.read_tables(folder / "snapshot")
+    snapshot = V.snapshot_answers(tables["streams"], tables.get("tasks"), tables["recall"])
+    rows = V.compare(snapshot, now)
+    assert rows["ok"].all(), V.report(rows)
+    assert {"answer_nll", "exact_teacher_forced", "exact_greedy"} <= set(rows["metric"])
+    off = V.snapshot_answers(
+        tables["streams"], tables["recall"].assign(answer_nll=tables["recall"]["answer_nll"] * 1.01)
+    )
+    bad = V.compare(off, now)
+    assert set(bad.loc[~bad["ok"], "metric"]) == {"answer_nll"}

@@ -336,7 +336,7 @@ def verify_main(args) -> int:
         print(f"{folder.name}: value-deciding policies' tolerance: {how}")
         snap = load_snapshot(folder)
         rows = (
-            V.compare(V.snapshot_answers(snap["streams"], snap.get("tasks")), now, noise)
+            V.compare(V.snapshot_answers(snap["streams"], snap.get("tasks"), snap.get("recall")), now, noise)
             if len(now)
             else pd.DataFrame()
         )

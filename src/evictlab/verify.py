@@ -23,11 +23,12 @@ snapshot's (AVX2, a 1-thread 1024^3 matmul at 66 GFLOP/s against 111 where the s
 position-only policies agreed within 1e-5. The exit status is 1 when any difference is beyond
 its tolerance.
 
-A task run (eval.task=<a data/tasks task>) is compared on the same per-stream metrics over its task
-streams, and on its answers: each problem's answer NLL (relative tolerance, as nll), whether the answer
-was exact teacher-forced, and, for a policy that writes, whether the written answer is the snapshot's text
-(`written_match`) and exact. Its problems are drawn for all of the run's streams and the first K kept, so
-`--streams K` re-runs the snapshot's first K problems, not K other ones.
+A task run (eval.task=<a data/tasks task>) or a pass-key run (eval.task=recall) is compared on the same
+per-stream metrics over its streams, and on its answers: each answer's NLL (relative tolerance, as nll),
+whether it was exact teacher-forced, and, for a task under a policy that writes, whether the written answer
+is the snapshot's text (`written_match`) and exact (recall with eval.recall_greedy: exact_greedy). Every
+stream is drawn and the first K kept, so `--streams K` re-runs the snapshot's first K problems, not K
+other ones.
 """
 
 from __future__ import annotations
@@ -46,8 +47,8 @@ from evictlab import results as R
 REL_TOL = 1e-3  # nll, nll_full, kl: |now - snapshot| <= REL_TOL * |snapshot| (+ 1e-6)
 ABS_TOL = 3e-3  # agree, correct: shares of a stream's tokens
 DECISION_TOL = 2e-3  # a value-deciding policy's NLL and KL: |now - snapshot| <= DECISION_TOL x snapshot NLL
-RELATIVE = ("nll", "nll_full", "kl", "answer_nll")  # (answer_nll: task runs)
-ABSOLUTE = ("agree", "correct", "exact_teacher_forced", "exact", "written_match")  # (the last 3: task runs)
+RELATIVE = ("nll", "nll_full", "kl", "answer_nll")  # (answer_nll: task and recall runs)
+ABSOLUTE = ("agree", "correct", "exact_teacher_forced", "exact", "exact_greedy", "written_match")  # answers
 GROUP_KEYS = {"strategy.name": "strategy", "budget.name": "budget"}  # config groups: chosen by name
 
 
@@ -142,20 +143,22 @@ def stream_means(per_token: dict[str, np.ndarray]) -> pd.DataFrame:
     return frame.groupby("stream")[compared].mean().reset_index()
 
 
+ANSWERS = ("answer_nll", "exact_teacher_forced", "exact", "exact_greedy")  # a task's or recall's, per stream
+
+
 def answer_checks(graded: pd.DataFrame, snapshot: pd.DataFrame | None, run_key: str) -> pd.DataFrame:
-    """Per task stream, the answer metrics compared (`task_accuracy`'s frame re-run now): answer_nll,
-    exact_teacher_forced and, where the policy wrote, exact and written_match (1.0 where the written text is
-    the snapshot's; the snapshot side of it is 1.0, see `snapshot_answers`)."""
-    out = graded[["stream", "answer_nll"]].assign(
-        exact_teacher_forced=graded["exact_teacher_forced"].astype(float)
-    )
+    """Per stream of a task or recall run, the answer metrics compared (`task_accuracy`'s or
+    `recall_accuracy`'s frame re-run now): answer_nll, exact_teacher_forced and, where the policy wrote
+    (a task) or decoded (recall with recall_greedy), exact or exact_greedy; for a task also written_match
+    (1.0 where the written text is the snapshot's; the snapshot side of it is 1.0: `snapshot_answers`)."""
+    out = graded[["stream"]].copy()
+    for col in ANSWERS:
+        if col in graded:
+            out[col] = graded[col].astype(float)
     if "written" in graded:
-        out["exact"] = graded["exact"].astype(float)
-        was = (
-            pd.Series(dtype=object)
-            if snapshot is None or snapshot.empty
-            else (snapshot[snapshot["run_key"] == run_key].set_index("stream")["written"])
-        )
+        was = pd.Series(dtype=object)
+        if snapshot is not None and "written" in snapshot:
+            was = snapshot[snapshot["run_key"] == run_key].set_index("stream")["written"]
         same = [
             s in was.index and was[s] == w for s, w in zip(graded["stream"], graded["written"], strict=True)
         ]
@@ -163,18 +166,22 @@ def answer_checks(graded: pd.DataFrame, snapshot: pd.DataFrame | None, run_key: 
     return out
 
 
-def snapshot_answers(streams: pd.DataFrame, tasks: pd.DataFrame | None) -> pd.DataFrame:
-    """The snapshot's streams table with its task runs' answer metrics beside each stream (the side of
-    `compare` that `answer_checks` is compared with; written_match 1.0 where the snapshot wrote)."""
-    if tasks is None or tasks.empty:
-        return streams
-    cols = ["run_key", "stream", "answer_nll", "exact_teacher_forced"]
-    t = tasks[cols].assign(exact_teacher_forced=tasks["exact_teacher_forced"].astype(float))
-    if "written" in tasks:
-        wrote = tasks["written"].notna()
-        t["exact"] = tasks["exact"].astype(float).where(wrote)
-        t["written_match"] = wrote.astype(float).where(wrote)
-    return streams.merge(t, on=["run_key", "stream"], how="left")
+def snapshot_answers(streams: pd.DataFrame, *answers: pd.DataFrame | None) -> pd.DataFrame:
+    """The snapshot's streams table with its task or recall runs' answer metrics beside each stream (the
+    tasks and recall tables: the side of `compare` that `answer_checks` is compared with)."""
+    for table in answers:
+        if table is None or table.empty:
+            continue
+        t = table[["run_key", "stream"]].copy()
+        for col in ANSWERS:
+            if col in table:
+                t[col] = table[col].astype(float)
+        if "written" in table:
+            wrote = table["written"].notna()
+            t["written_match"] = wrote.astype(float).where(wrote)
+            t["exact"] = t["exact"].where(wrote)
+        streams = streams.merge(t, on=["run_key", "stream"], how="left")
+    return streams
 
 
 def decides(strategy: str) -> bool:
@@ -284,40 +291,41 @@ class Subject:
     checkpoint: object  # checkpoints.Checkpoint
     model: object  # models.gpt.GPT (or `transform`'s copy)
     tokens: object  # torch.Tensor [N, T]: the first K streams with --streams K
-    batch: object  # data/tasks.TaskBatch of those streams for a task run, else None
+    batch: object  # the TaskBatch (data/tasks) or RecallBatch (data/recall.py) of those streams, else None
     decode: object  # the tokenizer's decode
 
 
 def load_subject(stages, streams: int | None, transform=None) -> Subject:
     """The run's corpus, model and streams as it loaded them; every stream built, then the first
     `streams` kept (a task draws its problems in order)."""
-    from evictlab.data.tasks import TaskBatch
-
     corpus, ck, model = stages.subject()
     tokens, batch, _ = stages.streams(corpus, model)
     if streams is not None:
         tokens = tokens[:streams]
-        batch = batch.head(streams) if isinstance(batch, TaskBatch) else batch
+        batch = batch.head(streams) if batch is not None else None
     model = transform(model) if transform is not None else model
-    return Subject(
-        ck, model, tokens, batch if isinstance(batch, TaskBatch) else None, corpus.tokenizer.decode
-    )
+    return Subject(ck, model, tokens, batch, corpus.tokenizer.decode)
 
 
 def measure(cfg, subject: Subject, shared, tasks: pd.DataFrame | None, run_key: str) -> pd.DataFrame:
     """One sampled run re-run on its subject -> per-stream means of the compared metrics (and, for a task
-    run, its answers against the snapshot's `tasks` table: `answer_checks`)."""
-    from evictlab.eval.evaluate import evaluate, task_accuracy, task_answers
+    or recall run, its answers: `answer_checks`, against the snapshot's `tasks` table for written text)."""
+    from evictlab.data.tasks import TaskBatch
+    from evictlab.eval.evaluate import evaluate, recall_accuracy, task_accuracy, task_answers
 
-    policy, budget, batch = cfg.strategy.build(), cfg.resolved_budget, subject.batch
+    policy, budget, batch, model = cfg.strategy.build(), cfg.resolved_budget, subject.batch, subject.model
     spec = dataclasses.replace(cfg.eval.spec(), diagnostics=policy.needs_future)  # the oracle's future
-    writing = task_answers(batch) if batch is not None and policy.can_generate() else None
-    res = evaluate(subject.model, subject.tokens, policy, budget, spec, shared, writing)
+    task = isinstance(batch, TaskBatch)
+    writing = task_answers(batch) if task and policy.can_generate() else None
+    res = evaluate(model, subject.tokens, policy, budget, spec, shared, writing)
     means = stream_means(res.per_token)
-    if batch is not None:
-        graded = task_accuracy(subject.model, batch, policy, budget, spec, res, subject.decode)
-        means = means.merge(answer_checks(graded, tasks, run_key), on="stream", how="left")
-    return means
+    if batch is None:
+        return means
+    if task:
+        graded = task_accuracy(model, batch, policy, budget, spec, res, subject.decode)
+    else:
+        graded = recall_accuracy(model, batch, policy, budget, spec, res, cfg.eval.recall_greedy)
+    return means.merge(answer_checks(graded, tasks, run_key), on="stream", how="left")
 
 
 def rerun(
@@ -336,7 +344,6 @@ def rerun(
     references (never the shared ones, which are the unchanged model's); `deciding_only`: only the runs
     of policies that decide by values (`decides`)."""
     from evictlab.config import compose, key_dict, to_objects
-    from evictlab.data.tasks import TASKS
     from evictlab.run import RunStages, run_key
     from evictlab.store import stable_hash
 
@@ -351,9 +358,6 @@ def rerun(
             continue
         extra = [f"paths.outputs={outputs}"] if outputs else []
         cfg = to_objects(compose([*s.overrides, "logger=none", *extra]))
-        if cfg.eval.task.value not in ("lm", *TASKS):
-            notes.append(f"{s.label}: skipped (verify compares language-modelling and task runs, not recall)")
-            continue
         notes += [
             f"{s.label}: config differs from the snapshot's: {d}" for d in config_differences(cfg, s.recorded)
         ]

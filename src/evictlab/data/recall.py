@@ -32,6 +32,13 @@ class RecallBatch:
     values: list[str]
     documents: list[str]  # [N] the documents each stream's filler comes from (TokenSplit.documents_in)
 
+    def head(self, k: int) -> RecallBatch:
+        """The first k streams (make verify --streams k)."""
+        arrays = (self.answer_start, self.answer_len, self.depth, self.needle_pos)
+        return RecallBatch(
+            self.tokens[:k], self.answer[:k], *(a[:k] for a in arrays), self.values[:k], self.documents[:k]
+        )
+
 
 def make_recall_sequence(
     tok,
