@@ -260,6 +260,13 @@ def test_the_verify_sample_is_one_run_per_policy_at_the_middle_budget_in_origina
     assert h2o.overrides[:3] == ["+experiment=smollm2_quality", "strategy=h2o", "budget=b64"]
     assert "eval.position_mode=original" in h2o.overrides
     assert len(V.sample_runs(results, "smollm2_quality", every=True)) == results["run_key"].nunique()
+    # a group choice every run shares is passed on too (compose does not read the sweep's grid: a budget
+    # left out composed as the experiment's default, and verify compared another budget's numbers)
+    tasks = R.read_tables(paper.EXPERIMENTS / "smollm2_tasks" / "snapshot")["results"]
+    chosen = tasks.drop_duplicates("run_key").set_index("run_key")
+    for s in V.sample_runs(tasks, "smollm2_tasks"):
+        row = chosen.loc[s.run_key]
+        assert s.overrides[1:3] == [f"strategy={row['strategy']}", f"budget={row['cfg.budget.name']}"]
 
 
 # experiments whose README quotes its snapshot's tables (`make tables EXP=NAME`), and the READMEs that

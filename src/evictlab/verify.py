@@ -90,9 +90,9 @@ def sample_runs(results: pd.DataFrame, experiment: str, every: bool = False) -> 
         chosen = pd.DataFrame(rows)
     out = []
     for _, row in chosen.iterrows():
-        groups = [
-            f"{group}={row['cfg.' + key]}" for key, group in GROUP_KEYS.items() if "cfg." + key in varying
-        ]
+        # every config group's choice, varying or not: a sweep's grid (hydra.sweeper.params) is not part of
+        # what compose reads, so a budget all of a snapshot's runs share would compose as the default one
+        groups = [f"{group}={row['cfg.' + key]}" for key, group in GROUP_KEYS.items() if "cfg." + key in runs]
         overrides = [f"+experiment={experiment}", *groups]  # config groups first, then values inside them
         # an imported model (a GGUF or Hugging Face checkpoint) is never trained: its runs' train.* values
         # change no number (runs from before train.threads was checked recorded 0, no longer accepted)
