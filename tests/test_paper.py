@@ -242,7 +242,9 @@ def test_verify_needs_a_known_experiment(capsys):
     assert "--streams 0 must be >= 1" in capsys.readouterr().err
 
 
-def test_the_verify_sample_is_one_run_per_policy_at_the_middle_budget_in_original_positions():
+def test_the_verify_sample_is_one_run_per_policy_and_arm_at_the_middle_budget_in_original_positions():
+    """One run per policy and per value of a setting its runs differ in besides budget, positions and
+    seeds (a policy parameter, BOS in the text)."""
     from evictlab import results as R
     from evictlab import verify as V
 
@@ -252,8 +254,20 @@ def test_the_verify_sample_is_one_run_per_policy_at_the_middle_budget_in_origina
     assert labels == sorted(
         ["full b1023 original", "window b64 original", "streaming_llm b64 original", "h2o b64 original"]
         + ["tova b64 original", "scissorhands b64 original", "l2norm b64 original", "random b64 original"]
-        + ["oracle b64 original", "recompute_window b64 original"]
+        + ["oracle b64 original", "recompute_window b64 original n_sink=0"]
+        + ["recompute_window b64 original n_sink=1"]
     )
+    recompute = [s for s in sample if s.label.startswith("recompute_window")]
+    assert {o for s in recompute for o in s.overrides if "n_sink" in o} == {
+        "strategy.params.n_sink=0",
+        "strategy.params.n_sink=1",
+    }
+    sinks = R.read_tables(paper.EXPERIMENTS / "smollm2_sinks" / "snapshot")["results"]
+    arms = {s.label for s in V.sample_runs(sinks, "smollm2_sinks")}  # both BOS arms x every sink count
+    n_sinks = sorted(sinks["cfg.strategy.params.n_sink"].unique())
+    assert arms == {
+        f"streaming_llm b64 original bos={b} n_sink={n}" for b in ("true", "false") for n in n_sinks
+    }
     # runs of the imported model from before train.threads was checked recorded 0: not passed on
     assert not [o for s in sample for o in s.overrides if o.startswith("train.")]
     h2o = next(s for s in sample if s.label.startswith("h2o"))

@@ -3,8 +3,10 @@
     python -m evictlab.paper verify --only smollm2_quality            # make verify EXP=smollm2_quality
     python -m evictlab.paper verify --only smollm2_quality --streams 2 --all
 
-The sample: for each policy in the snapshot, one run: original positions where the snapshot has them, at
-the budget nearest the middle of its budgets (the lower one on a tie); `--all` takes every run. Each run's
+The sample: for each policy in the snapshot, and each value of any other setting its runs differ in
+besides budget and positions (a policy parameter such as n_sink, an arm's BOS), one run: original positions
+where the snapshot has them, at the budget nearest the middle of its budgets (the lower one on a tie);
+`--all` takes every run. Each run's
 config is composed as the sweep composed it (`+experiment=<figures.yaml's experiment>` plus the values of
 the keys the snapshot's runs differ in), and any other setting that differs from the snapshot's recorded
 config is printed. `--streams K` streams the first K of the run's streams (the same tokens the snapshot's
@@ -50,6 +52,9 @@ DECISION_TOL = 2e-3  # a value-deciding policy's NLL and KL: |now - snapshot| <=
 RELATIVE = ("nll", "nll_full", "kl", "answer_nll")  # (answer_nll: task and recall runs)
 ABSOLUTE = ("agree", "correct", "exact_teacher_forced", "exact", "exact_greedy", "written_match")  # answers
 GROUP_KEYS = {"strategy.name": "strategy", "budget.name": "budget"}  # config groups: chosen by name
+# the settings besides the policy that the sample takes one run of each value of: a policy's parameters
+# and an arm (conf/arm/, BOS in the text); not budgets, positions, seeds or the trained subject's settings
+ARM_KEYS = ("cfg.strategy.params.", "cfg.dataset.bos", "cfg.arm")
 
 
 @dataclass
@@ -73,20 +78,31 @@ def _value(v) -> str:
     return str(v)
 
 
+def _middle_run(g: pd.DataFrame) -> pd.Series:
+    """Of one policy's (or arm's) runs: original positions where there are any, the budget nearest the
+    middle (the lower one on a tie)."""
+    if (g["position_mode"] == "original").any():
+        g = g[g["position_mode"] == "original"]
+    budgets = sorted(g["budget"].unique())
+    return g[g["budget"] == budgets[(len(budgets) - 1) // 2]].iloc[0]
+
+
 def sample_runs(results: pd.DataFrame, experiment: str, every: bool = False) -> list[Sampled]:
     """The runs of a snapshot's results table to verify (the module docstring's rule), with overrides."""
     runs = results.drop_duplicates("run_key").reset_index(drop=True)
     cfg_cols = [c for c in runs if c.startswith("cfg.")]
     varying = [c for c in cfg_cols if runs[c].astype(str).nunique() > 1]
+    # besides the policy, the settings its runs differ in other than budget and positions (a parameter, an
+    # arm's BOS): one sampled run for each value (`arms`: per policy, the columns that vary among its runs)
+    arms: dict[str, list[str]] = {}
+    for name, g in runs.groupby("strategy", sort=False):
+        arms[name] = [c for c in varying if c.startswith(ARM_KEYS) and g[c].astype(str).nunique() > 1]
     chosen = runs
     if not every:
         rows = []
-        for _, g in runs.groupby("strategy", sort=False):
-            if (g["position_mode"] == "original").any():
-                g = g[g["position_mode"] == "original"]
-            budgets = sorted(g["budget"].unique())
-            middle = budgets[(len(budgets) - 1) // 2]
-            rows.append(g[g["budget"] == middle].iloc[0])
+        for name, g in runs.groupby("strategy", sort=False):
+            for _, arm in g.groupby(arms[name], sort=False, dropna=False) if arms[name] else [(None, g)]:
+                rows.append(_middle_run(arm))
         chosen = pd.DataFrame(rows)
     out = []
     for _, row in chosen.iterrows():
@@ -105,7 +121,8 @@ def sample_runs(results: pd.DataFrame, experiment: str, every: bool = False) -> 
                 continue
             if not key.startswith(("strategy.", "budget.")) or key.startswith("strategy.params."):
                 overrides.append(f"{key}={_value(v)}")
-        label = f"{row['strategy']} b{int(row['budget'])} {row['position_mode']}"
+        arm = " ".join(f"{c.split('.')[-1]}={_value(row[c])}" for c in arms.get(row["strategy"], []))
+        label = f"{row['strategy']} b{int(row['budget'])} {row['position_mode']}" + (f" {arm}" if arm else "")
         recorded = {c[4:]: row[c] for c in cfg_cols}
         weights = row.get("weights_sha256")
         weights = weights if isinstance(weights, str) else None
