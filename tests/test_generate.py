@@ -212,3 +212,37 @@ def test_recompute_window_re_encodes_from_position_zero_in_both_modes():
     nll, _, _ = naive_stream(model, tokens[0], policy, budget, StreamSpec(position_mode="original"))
     torch.testing.assert_close(nll, a.nll[0], rtol=0, atol=1e-10)
     assert generate(model, tokens[:, :20], policy, budget, 25).shape == (2, 25)  # past the table too
+
+
+def test_a_generation_sweep_aggregates_tabulates_and_draws_its_continuations(tmp_path: Path):
+    """eval.generate_tokens runs aggregate into a generations table (one row per run and stream); make
+    tables prints each evicting policy's ROUGE-L, tokens to the first divergence and identical share per
+    budget, computed from those rows; the generation_agreement figure draws one panel per budget."""
+    from evictlab import run as run_mod
+    from evictlab.analysis import figures as F
+    from evictlab.analysis.aggregate import aggregate
+    from evictlab.analysis.report import generation_table, load_tables
+    from evictlab.paper import _tables_text
+    from tests.test_pipeline import cfg_for
+
+    out = tmp_path / "outputs"
+    dirs = []
+    for strategy, budget in (("full", "b16"), ("window", "b16"), ("h2o", "b16"), ("h2o", "b32")):
+        over = [f"strategy={strategy}", f"budget={budget}", "eval.generate_tokens=8", "logger=none"]
+        cfg = cfg_for(out, "group=gen", *over)
+        run_mod.run(cfg)
+        dirs.append(run_mod.run_dir(cfg))
+    aggregate([dirs[0].parent], dirs[0].parent)
+    tables = load_tables(dirs[0].parent)
+    g = tables["generations"]
+    assert len(g) == 4 * 2 and {"first_divergence", "rouge_l", "text_policy", "strategy", "budget"} <= set(g)
+    grid = generation_table(tables)
+    assert list(grid.columns) == ["b16", "b32"] and "full" not in grid.index  # evicting policies only
+    h2o = g[(g["strategy"] == "h2o") & (g["budget"] == 16)]
+    same = int((h2o["first_divergence"] == 8).sum())
+    assert grid.loc["h2o", "b16"].startswith(f"{h2o['rouge_l'].mean():.2f} [")
+    assert grid.loc["h2o", "b16"].endswith(f"; {same}/2") and grid.loc["window", "b32"] == "-"
+    assert "greedy continuations against the full cache's" in _tables_text("gen", tables, {})
+    assert F.FIGURES["generation_agreement"].applies(tables)
+    fig = F.generation_agreement(g)
+    assert len(fig.axes) == 2 and [a.get_title() for a in fig.axes] == ["budget 16", "budget 32"]

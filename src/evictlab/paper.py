@@ -247,6 +247,20 @@ def _task_lines(tables: dict[str, pd.DataFrame], mode: str) -> list[str]:
     return out
 
 
+def _generation_lines(tables: dict[str, pd.DataFrame], mode: str) -> list[str]:
+    """Free-running generation against the full cache, and how fast the continuations were written."""
+    from evictlab.analysis.report import decode_table, generation_table
+
+    what = "ROUGE-L [95% CI]; tokens to the first divergence [95% CI]; continuations identical/streams"
+    out = ["", f"greedy continuations against the full cache's from the same prefix: {what}:"]
+    out.append(markdown(generation_table(tables, mode)))
+    speed = decode_table(tables, mode)
+    if len(speed):
+        out += ["", "decode token-steps/s writing them (explicit attention; SDPA from the same caches):"]
+        out.append(markdown(speed))
+    return out
+
+
 def _tables_text(name: str, tables: dict[str, pd.DataFrame], wanted: dict) -> str:
     from evictlab.analysis.report import (
         band_cost_table,
@@ -290,6 +304,8 @@ def _tables_text(name: str, tables: dict[str, pd.DataFrame], wanted: dict) -> st
         out.append(markdown(recall_table(tables)))
     if not tables.get("tasks", pd.DataFrame()).empty:
         out += _task_lines(tables, modes[0])
+    elif not tables.get("generations", pd.DataFrame()).empty:
+        out += _generation_lines(tables, modes[0])
     if len(modes) == 2:
         out += [
             "",

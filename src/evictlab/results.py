@@ -67,7 +67,7 @@ def unreadable(run: Path) -> str | None:
 
 
 # ---- tables of an aggregated sweep (written into the sweep folder; committed as experiments/*/snapshot/)
-TABLES = ("results", "streams", "curves", "attention", "layers", "recall", "tasks")
+TABLES = ("results", "streams", "curves", "attention", "layers", "recall", "tasks", "generations")
 FAILURES = "failures.csv"
 FAILURE_COLUMNS = ["run_dir", "status", "error", "strategy", "budget_name", "seed"]
 

@@ -149,7 +149,9 @@ def stream_and_curve_rows(
 def aggregate(sweeps: list[Path], out: Path | None = None) -> dict[str, pd.DataFrame]:
     """Build the tables (and write them when `out` is given)."""
     rows: dict[str, list] = {"results": [], "streams": [], "curves": []}
-    frames: dict[str, list[pd.DataFrame]] = {"attention": [], "layers": [], "recall": [], "tasks": []}
+    frames: dict[str, list[pd.DataFrame]] = {
+        n: [] for n in ("attention", "layers", "recall", "tasks", "generations")
+    }
     failures = []
     for d in run_dirs(sweeps):
         try:
@@ -173,6 +175,7 @@ def aggregate(sweeps: list[Path], out: Path | None = None) -> dict[str, pd.DataF
             ("layers", R.LAYERS),
             ("recall", R.RECALL),
             ("tasks", R.TASKS),
+            ("generations", R.GENERATIONS),
             ("attention", R.ATTENTION),
         ):
             if (d / file).exists() and (name != "attention" or not metrics.get("evicts")):  # full cache only

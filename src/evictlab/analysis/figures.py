@@ -820,6 +820,44 @@ def attention_heatmap(attention: pd.DataFrame) -> Figure:
     return fig
 
 
+@figure("generations", applies=_has("generations"), auto=_mode_arg)
+def generation_agreement(generations: pd.DataFrame, mode: str = "original") -> Figure:
+    """Free-running generation against the full cache, one panel per budget: the share of streams whose
+    greedy continuation under the policy is still the full cache's, token for token, after k new tokens
+    (its tokens to the first divergence reach k), a step line per evicting policy, its mean ROUGE-L against
+    the full cache's continuation in the legend."""
+    P = Policies(generations)
+    g = evicting(generations[generations["position_mode"] == mode])
+    budgets = sorted(g["budget"].unique())
+    n_new = int(g["first_divergence"].max()) if len(g) else 1
+    fig, axes = _subplots(
+        1, max(1, len(budgets)), figsize=(4.6 * max(1, len(budgets)) + 2.2, 4.0), squeeze=False
+    )
+    k = np.arange(0, n_new + 1)
+    for ax, budget in zip(axes.flat, budgets, strict=True):
+        for name in P.ordered(g["strategy"]):
+            r = g[(g["strategy"] == name) & (g["budget"] == budget)]
+            if r.empty:
+                continue
+            still = (r["first_divergence"].to_numpy()[None, :] >= k[:, None]).mean(axis=1)
+            label = f"{P.label(name)} (ROUGE-L {r['rouge_l'].mean():.2f})"
+            ax.step(k, 100 * still, where="post", color=P.color(name), label=label, lw=1.6)
+        ax.set_ylim(-3, 103)
+        ax.set_xlim(0, n_new)
+        ax.set_title(f"budget {int(budget)}", fontsize=10)
+        ax.set_xlabel("new tokens written")
+        ax.legend(fontsize=7, loc="upper right")
+    axes.flat[0].set_ylabel("% of streams still identical to the full cache")
+    n = g.groupby(["strategy", "budget"]).size()
+    fig.suptitle(
+        f"Greedy continuations against the full cache's from the same prefix ({mode} positions; "
+        f"{n.min()} streams each)\n{subject_caption(g.drop(columns=['stream'], errors='ignore'))}",
+        fontsize=10,
+    )
+    fig.tight_layout()
+    return fig
+
+
 @figure("recall", applies=_has("recall"), auto=_mode_arg)
 def recall_heatmaps(recall: pd.DataFrame, column: str = "exact_greedy", mode: str = "original") -> Figure:
     """Recall accuracy by needle depth x budget, one heatmap per policy (5 per row): where windowed and

@@ -419,6 +419,27 @@ def task_table(
     return grid[[c for c in ("all", *budgets) if c in grid.columns]]
 
 
+def generation_table(tables: dict[str, pd.DataFrame], mode: str = "original") -> pd.DataFrame:
+    """Per evicting policy (rows) x budget: its greedy continuations against the full cache's from the same
+    prefix (the generations table, one row per stream): "ROUGE-L [95% CI]; tokens to the first divergence
+    [95% CI]; identical k/n" (CIs over streams: a bootstrap from MIN_BOOTSTRAP_UNITS streams on, else t)."""
+    g = tables.get("generations", pd.DataFrame())
+    if g.empty:
+        return pd.DataFrame()
+    P = S.PolicyOrder(g)
+    g = S.evicting(g[g["position_mode"] == mode])  # (the full cache against itself: identical)
+    n_new = tables["runs"]["generate_tokens"].max()  # first_divergence is n_new where nothing differs
+    rows = []
+    for (name, budget), r in g.groupby(["strategy", "budget"]):
+        (rl, rl_lo, rl_hi), _ = S.mean_ci(r["rouge_l"].to_numpy(float))
+        (fd, fd_lo, fd_hi), _ = S.mean_ci(r["first_divergence"].to_numpy(float))
+        same = int((r["first_divergence"] >= n_new).sum())
+        cell = f"{rl:.2f} [{rl_lo:.2f}, {rl_hi:.2f}]; {fd:.1f} [{fd_lo:.1f}, {fd_hi:.1f}]; {same}/{len(r)}"
+        rows.append({"strategy": name, "policy": P.label(name), "column": f"b{int(budget)}", "cell": cell})
+    grid = _policy_grid(pd.DataFrame(rows), P, "column")
+    return grid[sorted(grid.columns, key=lambda c: int(c[1:]))]
+
+
 def decode_table(tables: dict[str, pd.DataFrame], mode: str = "original") -> pd.DataFrame:
     """Per policy (rows) x budget: how fast its runs wrote their answers, "explicit token-steps/s" and, for
     a policy that reads no attention weights, "; SDPA x.x (same k%)": the same decode steps through the
