@@ -246,3 +246,7 @@ def test_a_generation_sweep_aggregates_tabulates_and_draws_its_continuations(tmp
     assert F.FIGURES["generation_agreement"].applies(tables)
     fig = F.generation_agreement(g)
     assert len(fig.axes) == 2 and [a.get_title() for a in fig.axes] == ["budget 16", "budget 32"]
+    trade = F.tradeoff(tables["runs"])  # quality on its y axis: the continuations' ROUGE-L
+    assert trade.axes[0].get_ylabel().startswith("continuations: ROUGE-L")
+    full = trade.axes[0].get_lines()[0]  # the full cache, starred: its continuation is its own
+    assert full.get_marker() == "*" and list(full.get_ydata()) == [1.0]

@@ -503,10 +503,13 @@ def pareto_front(x: np.ndarray, y: np.ndarray, x_low: bool) -> np.ndarray:
 
 
 def _tradeoff_quality(runs: pd.DataFrame) -> tuple[pd.Series, str]:
-    """Quality, higher better: a task run's share of answers written exactly, else the full cache's
-    perplexity over the policy's (1 = no cost)."""
+    """Quality, higher better: a task run's share of answers written exactly; a generation run's ROUGE-L
+    of its continuations against the full cache's (1 = the same text); else the full cache's perplexity
+    over the policy's (1 = no cost)."""
     if "task_exact" in runs and runs["task_exact"].notna().any():
         return runs["task_exact"], "answers written exactly (share)"
+    if "gen_rouge_l" in runs and runs["gen_rouge_l"].notna().any():
+        return runs["gen_rouge_l"], "continuations: ROUGE-L against the full cache's (1 = the same)"
     return runs["ppl_full"] / runs["ppl"], "quality: full-cache perplexity / the policy's (1 = no cost)"
 
 
