@@ -3,15 +3,15 @@
     python -m evictlab.paper verify --only smollm2_quality            # make verify EXP=smollm2_quality
     python -m evictlab.paper verify --only smollm2_quality --streams 2 --all
 
-The sample: for each policy in the snapshot, and each value of any other setting its runs differ in
-besides budget and positions (a policy parameter such as n_sink, an arm's BOS), one run: original positions
-where the snapshot has them, at the budget nearest the middle of its budgets (the lower one on a tie);
-`--all` takes every run. Each run's
-config is composed as the sweep composed it (`+experiment=<figures.yaml's experiment>` plus the values of
-the keys the snapshot's runs differ in), and any other setting that differs from the snapshot's recorded
-config is printed. `--streams K` streams the first K of the run's streams (the same tokens the snapshot's
-first K streams hold). The attention diagnostics are left off (none of them is compared, and they are
-most of a large model's cost); the sampled runs share one load of the model and one full-cache reference.
+The sample: for each policy in the snapshot, and each value of any other setting its runs differ in besides
+budget and positions (a policy parameter such as n_sink, an arm's BOS), one run: original positions where
+the snapshot has them, at the budget nearest the middle of its budgets (the lower one on a tie); `--all`
+takes every run. Each run's config is composed as the sweep composed it (`+experiment=<figures.yaml's
+experiment>`, the run's strategy and budget, and the values of the other keys the snapshot's runs differ
+in), and any other setting that differs from the snapshot's recorded config is printed. `--streams K`
+streams the first K of the run's streams (the same tokens the snapshot's first K streams hold). The
+attention diagnostics are left off (none of them is compared, and they are most of a large model's cost);
+the sampled runs share one load of the model and one full-cache reference.
 
 Compared, for each stream: the mean NLL of the policy and of the full cache, KL to the full cache (relative
 tolerance REL_TOL), top-1 agreement with the full cache and top-1 accuracy (absolute tolerance ABS_TOL:
@@ -40,11 +40,22 @@ import enum
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pandas as pd
 
 from evictlab import results as R
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    import torch
+
+    from evictlab.checkpoints import Checkpoint
+    from evictlab.data.recall import RecallBatch
+    from evictlab.data.tasks import TaskBatch
+    from evictlab.models.gpt import GPT
 
 REL_TOL = 1e-3  # nll, nll_full, kl: |now - snapshot| <= REL_TOL * |snapshot| (+ 1e-6)
 ABS_TOL = 3e-3  # agree, correct: shares of a stream's tokens
@@ -196,7 +207,6 @@ def snapshot_answers(streams: pd.DataFrame, *answers: pd.DataFrame | None) -> pd
         if "written" in table:
             wrote = table["written"].notna()
             t["written_match"] = wrote.astype(float).where(wrote)
-            t["exact"] = t["exact"].where(wrote)
         streams = streams.merge(t, on=["run_key", "stream"], how="left")
     return streams
 
@@ -305,11 +315,11 @@ def compare(snapshot: pd.DataFrame, now: pd.DataFrame, noise: pd.DataFrame | Non
 class Subject:
     """What the sampled runs of one (model, data, eval settings, seed) share: loaded once."""
 
-    checkpoint: object  # checkpoints.Checkpoint
-    model: object  # models.gpt.GPT (or `transform`'s copy)
-    tokens: object  # torch.Tensor [N, T]: the first K streams with --streams K
-    batch: object  # the TaskBatch (data/tasks) or RecallBatch (data/recall.py) of those streams, else None
-    decode: object  # the tokenizer's decode
+    checkpoint: Checkpoint
+    model: GPT  # (or `transform`'s copy)
+    tokens: torch.Tensor  # [N, T]: the first K streams with --streams K
+    batch: TaskBatch | RecallBatch | None  # the task's or pass-key problems of those streams
+    decode: Callable[[list[int]], str]  # the tokenizer's
 
 
 def load_subject(stages, streams: int | None, transform=None) -> Subject:

@@ -830,9 +830,10 @@ def generation_agreement(generations: pd.DataFrame, mode: str = "original") -> F
     (its tokens to the first divergence reach k), a step line per evicting policy, its mean ROUGE-L against
     the full cache's continuation in the legend."""
     P = Policies(generations)
-    g = evicting(generations[generations["position_mode"] == mode])
+    here = generations[generations["position_mode"] == mode]
+    n_new = int(here["first_divergence"].max()) if len(here) else 1  # (the full cache's rows: all it wrote)
+    g = evicting(here)
     budgets = sorted(g["budget"].unique())
-    n_new = int(g["first_divergence"].max()) if len(g) else 1
     fig, axes = _subplots(
         1, max(1, len(budgets)), figsize=(4.6 * max(1, len(budgets)) + 2.2, 4.0), squeeze=False
     )
