@@ -11,7 +11,7 @@ LAUNCHER ?= local
 OUT ?= $(or $(EVICTLAB_OUTPUTS),outputs)
 
 .DEFAULT_GOAL := help
-.PHONY: help install test test-all test-fast test-slurm lint format train run sweep smoke paper verify noise aggregate tables figures report calibrate print-config sync bench bench-long clean-cache
+.PHONY: help install test test-all test-fast test-slurm lint format train run sweep smoke paper verify speed noise aggregate tables figures report calibrate print-config sync bench bench-long clean-cache
 
 help: ## List every target with one line each
 	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z_-]+:.*## / {printf "  make %-12s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
@@ -65,6 +65,9 @@ paper: ## Re-run every experiments/<name>/ sweep, refresh its committed snapshot
 
 verify: ## Re-run a sample of a committed snapshot (one run per policy) and compare: make verify EXP=smollm2_quality [ARGS="--streams 2"]
 	$(PY) -m evictlab.paper verify --only $(EXP) $(ARGS)
+
+speed: ## Time every writing run of a snapshot again in one sitting (interleaved rounds) into experiments/EXP/speed.csv, which make tables and the trade-off figure read: make speed EXP=smollm2_tasks [ARGS="--rounds 3 --steps 32"]
+	$(PY) -m evictlab.paper speed --only $(EXP) $(ARGS)
 
 noise: ## Measure a snapshot's decision noise (its value-deciding sampled runs under 3 rounding-level weight perturbations) into experiments/EXP/decision_noise.csv, the tolerance make verify then uses
 	$(PY) -m evictlab.paper noise --only $(EXP) $(ARGS)

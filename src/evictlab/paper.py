@@ -41,7 +41,15 @@ def load_spec(folder: Path) -> dict:
 
 
 def load_snapshot(folder: Path) -> dict[str, pd.DataFrame]:
-    return load_tables(folder / "snapshot")
+    """A folder's committed tables; where `make speed` re-measured its decode rates in one sitting
+    (speed.csv beside the snapshot), its runs carry those (`speed` holds the measurement)."""
+    from evictlab.speed import SPEED_FILE, with_speed
+
+    tables = load_tables(folder / "snapshot")
+    if (folder / SPEED_FILE).exists():
+        tables["speed"] = pd.read_csv(folder / SPEED_FILE)
+        tables["runs"] = with_speed(tables["runs"], tables["speed"])
+    return tables
 
 
 def draw(folder: Path, out: Path) -> list[Path]:
@@ -125,7 +133,7 @@ def merge_runs(kept: pd.DataFrame, new: pd.DataFrame | None, drop: set[str] = fr
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("command", choices=["figures", "run", "verify", "tables", "noise"])
+    ap.add_argument("command", choices=["figures", "run", "verify", "tables", "noise", "speed"])
     ap.add_argument("--only", nargs="*", default=None, help="experiment folder names (default: all)")
     ap.add_argument("--launcher", default="local", help="for `run`: local | submitit_local | slurm")
     ap.add_argument(
@@ -138,7 +146,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--streams", type=int, default=None, help="for `verify`: the first K streams of each run")
     ap.add_argument("--all", action="store_true", help="for `verify`: every run, not one per policy")
     ap.add_argument("--seeds", type=int, default=3, help="for `noise`: perturbations of the weights")
+    ap.add_argument("--rounds", type=int, default=3, help="for `speed`: interleaved timings of every run")
+    ap.add_argument("--steps", type=int, default=32, help="for `speed`: decode steps timed per run")
     args = ap.parse_args(argv)
+    if args.command == "speed":
+        return speed_main(args)
     if args.command in ("verify", "noise"):
         return verify_main(args)
     folders = [f for f in experiment_folders() if args.only is None or f.name in args.only]
@@ -226,7 +238,7 @@ def _training_lines(tables: dict[str, pd.DataFrame], wanted: dict, mode: str) ->
 def _task_lines(tables: dict[str, pd.DataFrame], mode: str) -> list[str]:
     """The task tables: answers graded as written, and teacher-forced (where the oracle has a row); how
     fast the answers were written, where the runs measured it."""
-    from evictlab.analysis.report import decode_table, task_table
+    from evictlab.analysis.report import task_table
 
     what = "share [95% Wilson CI] correct/samples; exact McNemar p against the full cache's answers"
     out = [
@@ -237,28 +249,31 @@ def _task_lines(tables: dict[str, pd.DataFrame], mode: str) -> list[str]:
         "task answers exact teacher-forced (the oracle too), the same columns:",
         markdown(task_table(tables, mode, "exact_teacher_forced")),
     ]
-    speed = decode_table(tables, mode)
-    if len(speed):
-        out += [
-            "",
-            "decode token-steps/s writing the answers (explicit attention; SDPA from the same caches):",
-        ]
-        out.append(markdown(speed))
-    return out
+    return out + _decode_lines(tables, mode, "the answers")
 
 
 def _generation_lines(tables: dict[str, pd.DataFrame], mode: str) -> list[str]:
     """Free-running generation against the full cache, and how fast the continuations were written."""
-    from evictlab.analysis.report import decode_table, generation_table
+    from evictlab.analysis.report import generation_table
 
     what = "ROUGE-L [95% CI]; tokens to the first divergence [95% CI]; continuations identical/streams"
     out = ["", f"greedy continuations against the full cache's from the same prefix: {what}:"]
     out.append(markdown(generation_table(tables, mode)))
+    return out + _decode_lines(tables, mode, "them")
+
+
+def _decode_lines(tables: dict[str, pd.DataFrame], mode: str, what: str) -> list[str]:
+    """How fast the runs wrote (decode_table), and where the rates come from: the runs as they ran, or
+    `make speed`'s one-sitting measurement."""
+    from evictlab.analysis.report import decode_table
+    from evictlab.speed import describe
+
     speed = decode_table(tables, mode)
-    if len(speed):
-        out += ["", "decode token-steps/s writing them (explicit attention; SDPA from the same caches):"]
-        out.append(markdown(speed))
-    return out
+    if not len(speed):
+        return []
+    where = describe(tables["speed"]) if "speed" in tables else "as each run measured it (sessions differ)"
+    head = f"decode token-steps/s writing {what} (explicit attention; SDPA from the same caches), {where}:"
+    return ["", head, markdown(speed)]
 
 
 def _tables_text(name: str, tables: dict[str, pd.DataFrame], wanted: dict) -> str:
@@ -315,25 +330,53 @@ def _tables_text(name: str, tables: dict[str, pd.DataFrame], wanted: dict) -> st
     return "\n".join(out) + "\n"
 
 
-def verify_main(args) -> int:
-    """`verify`: re-run each named snapshot's sample (evictlab/verify.py), print the differences; 1 when
-    any is beyond its tolerance."""
-    from evictlab import verify as V
-
+def named_folders(args) -> list[Path] | None:
+    """The folders `--only` names for a command that re-runs a snapshot's runs; None (said on stderr) when
+    none is named, one has no figures.yaml or an option is out of range."""
     if not args.only:
         print(
             f"error: {args.command} needs --only NAME (make {args.command} EXP=NAME): it re-runs the "
             "snapshot's runs",
             file=sys.stderr,
         )
-        return 2
+        return None
     folders = [EXPERIMENTS / name for name in args.only]
     missing = [f.name for f in folders if not (f / "figures.yaml").exists()]
     if missing:
         print(f"error: no experiments/<name>/figures.yaml for {missing}", file=sys.stderr)
+        return None
+    for name, v in (("streams", args.streams), ("rounds", args.rounds), ("steps", args.steps)):
+        if v is not None and v < 1:
+            print(f"error: --{name} {v} must be >= 1", file=sys.stderr)
+            return None
+    return folders
+
+
+def speed_main(args) -> int:
+    """`speed`: every writing run of each named snapshot timed again in one sitting (evictlab/speed.py),
+    into experiments/NAME/speed.csv, which the tables and the trade-off figure then read."""
+    from evictlab.speed import SPEED_FILE, describe, remeasure
+
+    folders = named_folders(args)
+    if folders is None:
         return 2
-    if args.streams is not None and args.streams < 1:
-        print(f"error: --streams {args.streams} must be >= 1", file=sys.stderr)
+    for folder in folders:
+        speed = remeasure(folder, load_spec(folder)["experiment"], args.rounds, args.steps)
+        speed.to_csv(folder / SPEED_FILE, index=False, float_format="%.6g")
+        cols = ["run", "decode_token_steps_per_s", "decode_token_steps_per_s_median"]
+        cols += ["decode_token_steps_per_s_fused", "fused_same_tokens"]
+        print(speed[cols].to_string(index=False, float_format=lambda x: f"{x:.1f}"))
+        print(f"{folder.name}: {describe(speed)} -> {folder / SPEED_FILE}")
+    return 0
+
+
+def verify_main(args) -> int:
+    """`verify`: re-run each named snapshot's sample (evictlab/verify.py), print the differences; 1 when
+    any is beyond its tolerance."""
+    from evictlab import verify as V
+
+    folders = named_folders(args)
+    if folders is None:
         return 2
     status = 0
     for folder in folders:
