@@ -26,7 +26,7 @@ install: ## Create .venv and install evictlab + pinned deps (CPU torch 2.13.0, t
 	@$(PY) -c "import torch, evictlab; print('evictlab ready: torch', torch.__version__)"
 
 test: ## Run the test suite (what CI runs) without the tests marked slow, in TEST_WORKERS processes
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist worksteal -m "not slow and not slurm" $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist worksteal --durations=15 -m "not slow and not slurm" $(PYTEST_ARGS)
 
 test-all: ## Run every test, the slow ones too (SmolLM2 against transformers, make verify, killed sweeps); SLURM's apart
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist worksteal $(PYTEST_ARGS)
