@@ -84,6 +84,9 @@ def test_speed_re_times_every_writing_run_of_a_snapshot(session_outputs, tmp_pat
     assert "re-measured in one sitting (speed.csv" in lines and "best of 2 interleaved rounds" in lines
     assert f"{speed['decode_token_steps_per_s'].iloc[1]:.1f}" in lines
 
+    fig = paper.F.draw("tradeoff", tables, mode="original")
+    assert "re-measured in one sitting" in fig.axes[1].get_xlabel()
+
     with pytest.raises(ConfigError, match="leave no prompt"):
         SP.remeasure(folder, "unused", rounds=1, steps=95)
     assert paper.main(["speed"]) == 2 and "needs --only" in capsys.readouterr().err

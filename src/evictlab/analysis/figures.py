@@ -573,6 +573,8 @@ def tradeoff(runs: pd.DataFrame, mode: str = "original") -> Figure:
     axes[0].set_xticks(kv if len(kv) <= 6 else kv[:: -(-len(kv) // 6)])
     axes[0].set_xlabel("KV cache held per sequence [KiB]")
     speed = "decode token-steps / s" if decode else "teacher-forced token-steps / s (no decode measured)"
+    if decode and "decode_source" in runs and (runs["decode_source"] == "speed.csv").any():
+        speed += ", re-measured in one sitting (make speed)"
     fused = "\nopen markers: the same decode through SDPA" if r["fused"].notna().any() else ""
     axes[1].set_xlabel(speed + fused)
     axes[0].set_ylabel(ylabel)
