@@ -132,6 +132,7 @@ def test_a_full_disk_ends_in_one_line_with_nothing_written_and_the_rerun_complet
     assert list(outputs.rglob("model.safetensors"))
 
 
+@pytest.mark.slow  # (75 s: two real sweeps, one stopped; make test-all runs it)
 def test_stopping_a_local_sweep_ends_its_workers_and_the_same_command_finishes_it(tmp_path: Path):
     """SIGTERM to the driver (`kill`), then SIGINT to its process group (Ctrl-C in the terminal): each time
     the joblib workers end with it and no unfinished run counts as done; the same command then completes."""

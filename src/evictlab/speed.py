@@ -88,8 +88,8 @@ def time_once(s: Setting, steps: int):
 
     clock = DecodeClock(fused=True)
     with pinned_threads(s.cfg.eval.threads):
-        generate(s.model, s.prompt, s.cfg.strategy.build(), s.cfg.resolved_budget, steps, s.cfg.eval.spec(),
-                 clock=clock)  # fmt: skip
+        policy, budget, spec = s.cfg.strategy.build(), s.cfg.resolved_budget, s.cfg.eval.spec()
+        generate(s.model, s.prompt, policy, budget, steps, spec, clock=clock)
     return clock
 
 
@@ -109,26 +109,32 @@ def remeasure(folder: Path, experiment: str, rounds: int = 3, steps: int = 32) -
             for s in todo:
                 clocks[s.run_key].append(time_once(s, steps))
                 bar.update()
-    when, commit, cpu = (
-        dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-        git_info()["commit"],
-        cpu_name(),
-    )
-    rows = []
-    for s in todo:
-        c = clocks[s.run_key]
-        rate = [x.rate() for x in c]
-        fused = [x.fused_rate() for x in c if x.fused_rows]
-        rows.append({
-            "run_key": s.run_key, "run": s.label, "batch": s.prompt.shape[0], "prompt": s.prompt.shape[1],
-            "steps": steps, "threads": s.cfg.eval.threads, "rounds": rounds,
-            "decode_token_steps_per_s": max(rate), "decode_token_steps_per_s_median": statistics.median(rate),
-            "decode_token_steps_per_s_fused": max(fused) if fused else float("nan"),
-            "fused_same_tokens": (sum(x.fused_same_rows for x in c) / sum(x.fused_rows for x in c)
-                                  if fused else float("nan")),
-            "cpu": cpu, "commit": commit, "measured_utc": when,
-        })  # fmt: skip
-    return pd.DataFrame(rows)
+    stamp = {
+        "cpu": cpu_name(),
+        "commit": git_info()["commit"],
+        "measured_utc": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+    }
+    return pd.DataFrame([_row(s, clocks[s.run_key], steps) | stamp for s in todo])
+
+
+def _row(s: Setting, clocks: list, steps: int) -> dict:
+    """One run's timings -> its speed.csv row: the best round's rates and the median beside them."""
+    rate = [c.rate() for c in clocks]
+    fused = [c.fused_rate() for c in clocks if c.fused_rows]
+    fused_rows = sum(c.fused_rows for c in clocks)
+    return {
+        "run_key": s.run_key,
+        "run": s.label,
+        "batch": s.prompt.shape[0],
+        "prompt": s.prompt.shape[1],
+        "steps": steps,
+        "threads": s.cfg.eval.threads,
+        "rounds": len(clocks),
+        "decode_token_steps_per_s": max(rate),
+        "decode_token_steps_per_s_median": statistics.median(rate),
+        "decode_token_steps_per_s_fused": max(fused) if fused else float("nan"),
+        "fused_same_tokens": sum(c.fused_same_rows for c in clocks) / fused_rows if fused else float("nan"),
+    }
 
 
 def with_speed(runs: pd.DataFrame, speed: pd.DataFrame | None) -> pd.DataFrame:
