@@ -295,6 +295,7 @@ QUOTED_TABLES = {
     "smollm2_long": ["smollm2_long"],
     "smollm2_sinks": ["smollm2_sinks"],
     "smollm2_tasks": ["smollm2_tasks"],
+    "smollm2_generation": ["smollm2_generation"],
 }
 
 

@@ -84,6 +84,9 @@ def test_speed_re_times_every_writing_run_of_a_snapshot(session_outputs, tmp_pat
     assert "re-measured in one sitting (speed.csv" in lines and "best of 2 interleaved rounds" in lines
     assert f"{speed['decode_token_steps_per_s'].iloc[1]:.1f}" in lines
 
+    capsys.readouterr()
+    assert paper.main(["tables", "--only", "speed_test"]) == 0  # make tables reads speed.csv too
+    assert "re-measured in one sitting (speed.csv" in capsys.readouterr().out
     fig = paper.F.draw("tradeoff", tables, mode="original")
     assert "re-measured in one sitting" in fig.axes[1].get_xlabel()
 

@@ -185,7 +185,7 @@ def snapshot_tables(folder: Path) -> str:
     cost per position mode, per training where several, the rows its figures.yaml sets `against` the
     others, NLL by position `bands`, pass-key recall, and the paired cache / original ratios. A snapshot
     of several stream lengths (long_stream and long_stream_1m) gets them once per length."""
-    tables, wanted = load_tables(folder / "snapshot"), load_spec(folder).get("tables", {})
+    tables, wanted = load_snapshot(folder), load_spec(folder).get("tables", {})
     lengths = sorted(tables["streams"]["stream_len"].unique()) if "stream_len" in tables["streams"] else []
     if len(lengths) < 2:
         return _tables_text(folder.name, tables, wanted)
