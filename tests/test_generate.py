@@ -71,6 +71,35 @@ def test_the_clock_times_prefill_and_decode_and_the_fused_kernel_writes_the_same
         assert clock.fused_steps == 18 and clock.fused_rows == 3 and clock.fused_same_rows == 3
 
 
+@pytest.mark.parametrize("name", ["full", "h2o", "tova", "streaming_llm", "random"])
+def test_one_prefill_writes_the_generated_tokens_again_and_again(model, name):
+    """`make speed` times every round from one prefill: each write forks the prefilled caches, so every
+    write is `generate`'s continuation token for token (random's state included), and the fused twin's
+    too; a write in place uses the prefill up, and a second write says so."""
+    from evictlab.eval.engine import prefilled
+
+    params = {"seed": 3} if name == "random" else {}
+    prompt = torch.randint(0, 30, (3, 40))
+    want = generate(model, prompt, make_policy(name, **params), 8, 6, StreamSpec(block=16))
+    pre = prefilled(model, prompt, make_policy(name, **params), 8, 6, StreamSpec(block=16))
+    for _ in range(3):
+        clock = DecodeClock(fused=True)
+        assert torch.equal(pre.write(clock), want)
+        assert clock.decode_steps == 18
+        assert clock.fused_same_rows == (0 if make_policy(name).needs_attention else 3)
+    assert torch.equal(pre.write(in_place=True), want)
+    with pytest.raises(RuntimeError, match="written on in place"):
+        pre.write()
+
+
+def test_a_policy_without_a_cache_has_nothing_to_prefill(model):
+    from evictlab.eval.engine import prefilled
+
+    prompt = torch.randint(0, 30, (2, 20))
+    spec = StreamSpec(position_mode="cache")
+    assert prefilled(model, prompt, make_policy("recompute_window"), 6, 8, spec) is None
+
+
 @torch.no_grad()  # as every engine path runs
 def test_a_fork_goes_on_apart_and_policies_that_read_weights_have_no_fused_kernel(model):
     from evictlab.eval.engine import plan

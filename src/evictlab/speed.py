@@ -8,11 +8,15 @@ run of a snapshot again in one process, interleaved (round r measures every run 
 so a change of load spreads over all of them), and writes `experiments/NAME/speed.csv`; the tables and the
 trade-off figure then read their decode rates from it (`with_speed`) and say so.
 
-Each measurement is the engine's own: `eval.engine.generate` with a `DecodeClock` (the prompt prefilled on
-the blocked path, then `steps` greedy steps through the token loop, timed; the fused-kernel twin from the
-same caches where the policy allows), on the run's composed config (policy, budget, positions, threads)
-and its first `batch` streams (the run's batch size), each cut to its first `stream_len - 1 - steps`
-tokens as the prompt. The rate kept is the best round's (the least disturbed); the median beside it.
+Each measurement is the engine's own: the prompt prefilled once per run on the blocked path
+(`eval.engine.prefilled`, untimed), then in every round `steps` greedy steps through the token loop from a
+fork of those caches (`Prefilled.write` with a `DecodeClock`: timed; the fused-kernel twin from another
+fork where the policy allows), on the run's composed config (policy, budget, positions, threads) and its
+first `batch` streams (the run's batch size), each cut to its first `stream_len - 1 - steps` tokens as
+the prompt. Every run's prefilled caches are held through the rounds (a full cache of B x P entries per
+layer, the others their budget). A policy that keeps no cache (the window with re-computation) runs
+`generate` whole in each round. The rate kept is the best round's (the least disturbed); the median
+beside it.
 """
 
 from __future__ import annotations
@@ -81,16 +85,30 @@ def settings(folder: Path, experiment: str, steps: int) -> list[Setting]:
     return out
 
 
-def time_once(s: Setting, steps: int):
-    """One generate call of the run's policy on its prompt -> its DecodeClock."""
-    from evictlab.eval.engine import DecodeClock, generate
-    from evictlab.perf import pinned_threads
+class Timer:
+    """One run's decode, timed again and again from one prefill of its prompt."""
 
-    clock = DecodeClock(fused=True)
-    with pinned_threads(s.cfg.eval.threads):
-        policy, budget, spec = s.cfg.strategy.build(), s.cfg.resolved_budget, s.cfg.eval.spec()
-        generate(s.model, s.prompt, policy, budget, steps, spec, clock=clock)
-    return clock
+    def __init__(self, s: Setting, steps: int):
+        from evictlab.eval.engine import prefilled
+        from evictlab.perf import pinned_threads
+
+        self.s, self.steps = s, steps
+        self.policy, self.budget, self.spec = s.cfg.strategy.build(), s.cfg.resolved_budget, s.cfg.eval.spec()
+        with pinned_threads(s.cfg.eval.threads):
+            self.pre = prefilled(s.model, s.prompt, self.policy, self.budget, steps, self.spec)
+
+    def time(self):
+        """One timed decode of `steps` tokens -> its DecodeClock."""
+        from evictlab.eval.engine import DecodeClock, generate
+        from evictlab.perf import pinned_threads
+
+        clock, s = DecodeClock(fused=True), self.s
+        with pinned_threads(s.cfg.eval.threads):
+            if self.pre is None:  # no cache to prefill: the whole generation, as the run did it
+                generate(s.model, s.prompt, self.policy, self.budget, self.steps, self.spec, clock=clock)
+            else:
+                self.pre.write(clock)
+        return clock
 
 
 def remeasure(folder: Path, experiment: str, rounds: int = 3, steps: int = 32) -> pd.DataFrame:
@@ -103,11 +121,12 @@ def remeasure(folder: Path, experiment: str, rounds: int = 3, steps: int = 32) -
     if rounds < 1 or steps < 1:
         raise ValueError(f"rounds ({rounds}) and steps ({steps}) must be >= 1")
     todo = settings(folder, experiment, steps)
+    timers = [Timer(s, steps) for s in tqdm(todo, desc=f"{folder.name}: prefill", unit="run")]
     clocks: dict[str, list] = {s.run_key: [] for s in todo}
     with tqdm(total=rounds * len(todo), desc=f"{folder.name}: decode", unit="run") as bar:
         for _ in range(rounds):
-            for s in todo:
-                clocks[s.run_key].append(time_once(s, steps))
+            for t in timers:
+                clocks[t.s.run_key].append(t.time())
                 bar.update()
     stamp = {
         "cpu": cpu_name(),

@@ -242,6 +242,71 @@ def _generate_recompute(model: GPT, prompt: torch.Tensor, W: int, n_new: int, n_
     return seq[:, prompt.shape[1] :]
 
 
+@dataclass
+class Prefilled:
+    """A prompt [B, P] run through the blocked path under a policy: the token loop holding its caches and
+    policy state after the prompt's last token, ready to write `n_new` tokens. `write` decodes on a fork,
+    so one prefill serves any number of timed decodes (`make speed`)."""
+
+    loop: TokenLoop
+    prompt: torch.Tensor  # [B, P]
+    n_new: int
+    prefill_s: float  # seconds the prefill took
+    spent: bool = False  # an in-place write moved the caches on
+
+    @torch.no_grad()
+    def write(self, clock: DecodeClock | None = None, *, in_place: bool = False) -> torch.Tensor:
+        """Greedy continuation [B, n_new] from a fork of the prefilled caches, this object unchanged
+        (`in_place`: on its own caches, which it uses up); `clock` adds the prefill's seconds, the
+        decode's and, where it asks and the policy reads no weights, the same steps through the fused
+        kernel from another fork."""
+        if self.spent:
+            raise RuntimeError("this prefill was written on in place: its caches are past the prompt")
+        self.spent = in_place
+        B, P = self.prompt.shape
+        tokens = torch.cat([self.prompt, self.prompt.new_zeros(B, self.n_new)], dim=1)
+        twin = _fused_twin(self.loop, clock)  # (before a decode moves the caches on)
+        loop = self.loop if in_place else self.loop.fork()
+        _write(loop, twin, tokens, P, clock, self.prefill_s)
+        return tokens[:, P:]
+
+
+def _check_generate(model: GPT, prompt: torch.Tensor, policy: Policy, n_new: int, spec: StreamSpec) -> None:
+    check_positions(model.cfg, spec.position_mode)
+    if not policy.can_generate():
+        why = "it needs the full-cache run's future" if policy.needs_future else "it ablates the full cache"
+        raise ConfigError(f"strategy {policy.name!r} cannot generate: {why}")
+    P = prompt.shape[1]
+    if P < 1 or n_new < 1:
+        raise ConfigError(f"generation needs a prompt and n_new >= 1 (got P={P}, n_new={n_new})")
+
+
+@torch.no_grad()
+def prefilled(
+    model: GPT,
+    prompt: torch.Tensor,
+    policy: Policy,
+    budget: int,
+    n_new: int,
+    spec: StreamSpec = DEFAULT,
+    *,
+    doc: torch.Tensor | None = None,
+) -> Prefilled | None:
+    """The prompt [B, P] prefilled on the blocked path for `n_new` tokens of greedy generation, or None
+    where the plan keeps no cache to prefill (the window with re-computation encodes every step afresh)."""
+    _check_generate(model, prompt, policy, n_new, spec)
+    B, P = prompt.shape
+    p = plan(policy, budget, replace(spec, compile=False), model.cfg.n_layer, P + n_new)
+    if p.path == "recompute":
+        return None
+    model.eval()
+    start = time.perf_counter()
+    doc = doc if doc is not None else torch.arange(B, device=prompt.device)
+    loop = TokenLoop(model, policy, list(p.budgets), spec.position_mode, B, P + n_new - 1, doc)
+    prefill(model, prompt, loop, min(spec.block, BLOCK_STEPS))
+    return Prefilled(loop, prompt, n_new, time.perf_counter() - start)
+
+
 @torch.no_grad()
 def generate(
     model: GPT,
@@ -259,34 +324,25 @@ def generate(
     tests/test_policies.py holds; spec.force_loop streams it token by token instead; then each new token
     through the token loop). `clock` adds this call's prefill and decode seconds (not on force_loop's
     reference; window + recompute's re-encoding counts as decode)."""
-    check_positions(model.cfg, spec.position_mode)
-    if not policy.can_generate():
-        why = "it needs the full-cache run's future" if policy.needs_future else "it ablates the full cache"
-        raise ConfigError(f"strategy {policy.name!r} cannot generate: {why}")
+    _check_generate(model, prompt, policy, n_new, spec)
     B, P = prompt.shape
-    if P < 1 or n_new < 1:
-        raise ConfigError(f"generation needs a prompt and n_new >= 1 (got P={P}, n_new={n_new})")
-    tokens = torch.cat([prompt, prompt.new_zeros(B, n_new)], dim=1)
-    p = plan(policy, budget, replace(spec, compile=False), model.cfg.n_layer, tokens.shape[1])
+    p = plan(policy, budget, replace(spec, compile=False), model.cfg.n_layer, P + n_new)
     model.eval()
-    start = time.perf_counter()
-    if p.path == "recompute":
+    if p.path == "recompute":  # no cache: every new token a fresh forward over the window
+        start = time.perf_counter()
         out = _generate_recompute(model, prompt, p.budgets[0] + 1, n_new, policy.n_sink)
         if clock is not None:
             clock.decode_s += time.perf_counter() - start
             clock.decode_steps += B * n_new
         return out
-    doc = doc if doc is not None else torch.arange(B, device=prompt.device)
     if spec.force_loop:  # the reference: the prompt token by token too
+        tokens = torch.cat([prompt, prompt.new_zeros(B, n_new)], dim=1)
+        doc = doc if doc is not None else torch.arange(B, device=prompt.device)
         _, _, filled = LoopPath(model, policy, p, spec).stream(tokens, None, doc, generate_from=P)
         return filled[:, P:]
-    # the prompt on the blocked path (every policy that can generate runs on it), then token by token
-    n = tokens.shape[1] - 1
-    loop = TokenLoop(model, policy, list(p.budgets), spec.position_mode, B, n, doc)
-    prefill(model, prompt, loop, min(spec.block, BLOCK_STEPS))
-    twin = _fused_twin(loop, clock)  # (before the explicit decode moves the caches on)
-    _write(loop, twin, tokens, P, clock, time.perf_counter() - start)
-    return tokens[:, P:]
+    pre = prefilled(model, prompt, policy, budget, n_new, spec, doc=doc)
+    assert pre is not None  # (the plan keeps a cache)
+    return pre.write(clock, in_place=True)
 
 
 def _fused_twin(loop: TokenLoop, clock: DecodeClock | None) -> TokenLoop | None:
