@@ -295,6 +295,9 @@ def test_pareto_front_keeps_the_points_nothing_beats_on_both_axes():
     x, y = np.array([1, 2, 3, 4, 5.0]), np.array([0.2, 0.1, 0.5, 0.5, 0.9])
     assert F.pareto_front(x, y, x_low=True).tolist() == [0, 2, 4]  # less memory, more quality
     assert F.pareto_front(x, y, x_low=False).tolist() == [4]  # faster and better: the last beats all
+    # ties on x (every policy at one budget holds the same memory): only the best point at that x
+    x, y = np.array([1, 1, 2, 2, 2, 3.0]), np.array([0.0, 0.04, 0.08, 0.12, 0.1, 0.64])
+    assert F.pareto_front(x, y, x_low=True).tolist() == [1, 3, 5]
 
 
 def test_the_tradeoff_figure_draws_the_fused_rate_beside_the_explicit_one():
@@ -304,6 +307,17 @@ def test_the_tradeoff_figure_draws_the_fused_rate_beside_the_explicit_one():
     xs = {round(float(x), 3) for line in speed.get_lines() for x in np.atleast_1d(line.get_xdata())}
     assert {40.0, 60.0, 90.0} <= xs  # H2O's explicit rate; the others' explicit and fused rates
     assert "answers written exactly" in fig.axes[0].get_ylabel()
+    assert "not drawn" not in fig._suptitle.get_text()
+
+
+def test_the_tradeoff_figure_names_a_policy_without_a_quality_value_instead_of_drawing_it():
+    """The oracle writes no answers (task_exact NaN): no legend entry without a point; the title says so."""
+    runs = synthetic_task_runs()
+    runs.loc[runs["strategy"] == "oracle", "task_exact"] = np.nan
+    fig = F.tradeoff(runs)
+    labels = [line.get_label() for line in fig.axes[0].get_lines()]
+    assert not [lab for lab in labels if lab.startswith("oracle")] and any(lab == "h2o" for lab in labels)
+    assert "not drawn (writes nothing to score): oracle (non-causal, greedy)" in fig._suptitle.get_text()
 
 
 def test_policy_order_labels_and_colours_come_from_the_tables():

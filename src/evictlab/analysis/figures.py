@@ -493,7 +493,8 @@ def pareto_front(x: np.ndarray, y: np.ndarray, x_low: bool) -> np.ndarray:
     """Indices of the points no other point beats on both axes (y higher is better; x lower is better when
     `x_low`, else higher), ordered along x."""
     x, y = np.asarray(x, float), np.asarray(y, float)
-    order = np.argsort(x if x_low else -x, kind="stable")
+    order = np.lexsort((-y, x if x_low else -x))  # along x, and at one x the best y first (ties on x:
+    # every budget of a policy holds the same memory, and the lesser points at it are beaten)
     front, best = [], -np.inf
     for i in order:
         if y[i] > best:
@@ -515,9 +516,12 @@ def _tradeoff_quality(runs: pd.DataFrame) -> tuple[pd.Series, str]:
 
 def _tradeoff_points(ax, P, r: pd.DataFrame, x: str) -> None:
     """One panel's points: each policy's runs (the full cache starred, non-causal ones hollow) and, on the
-    speed panel, the fused-kernel rate as an open marker joined to the explicit one."""
+    speed panel, the fused-kernel rate as an open marker joined to the explicit one. A policy without a
+    quality value (the oracle writes no answers) is left out."""
     for name in P.ordered(r["strategy"]):
         g = r[r["strategy"] == name].sort_values("budget")
+        if g["quality"].isna().all():
+            continue
         look = {"marker": "*", "ms": 11} if P.is_reference(name) else {"marker": P.marker(name), "ms": 5}
         face = "none" if name in P.non_causal else P.color(name)
         color = P.color(name)
@@ -578,7 +582,11 @@ def tradeoff(runs: pd.DataFrame, mode: str = "original") -> Figure:
     fused = "\nopen markers: the same decode through SDPA" if r["fused"].notna().any() else ""
     axes[1].set_xlabel(speed + fused)
     axes[0].set_ylabel(ylabel)
-    fig.suptitle(f"Quality vs memory and speed ({mode} positions)\n{subject_caption(runs)}", fontsize=10)
+    title = f"Quality vs memory and speed ({mode} positions)\n{subject_caption(runs)}"
+    none = [P.label(n) for n in P.ordered(r["strategy"]) if r.loc[r["strategy"] == n, "quality"].isna().all()]
+    if none:  # (say so: a policy missing from the figure reads as one not run)
+        title += f"\nnot drawn (writes nothing to score): {', '.join(none)}"
+    fig.suptitle(title, fontsize=10)
     handles, labels = axes[0].get_legend_handles_labels()
     axes[1].legend(handles, labels, fontsize=8, loc="upper left", bbox_to_anchor=(1.02, 1.0), frameon=False)
     fig.tight_layout()
