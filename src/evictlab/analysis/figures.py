@@ -516,12 +516,9 @@ def _tradeoff_quality(runs: pd.DataFrame) -> tuple[pd.Series, str]:
 
 def _tradeoff_points(ax, P, r: pd.DataFrame, x: str) -> None:
     """One panel's points: each policy's runs (the full cache starred, non-causal ones hollow) and, on the
-    speed panel, the fused-kernel rate as an open marker joined to the explicit one. A policy without a
-    quality value (the oracle writes no answers) is left out."""
+    speed panel, the fused-kernel rate as an open marker joined to the explicit one."""
     for name in P.ordered(r["strategy"]):
         g = r[r["strategy"] == name].sort_values("budget")
-        if g["quality"].isna().all():
-            continue
         look = {"marker": "*", "ms": 11} if P.is_reference(name) else {"marker": P.marker(name), "ms": 5}
         face = "none" if name in P.non_causal else P.color(name)
         color = P.color(name)
@@ -561,6 +558,9 @@ def tradeoff(runs: pd.DataFrame, mode: str = "original") -> Figure:
     r["fused"] = r.get("decode_token_steps_per_s_fused", pd.Series(np.nan, index=r.index))
     r["kv_kib"] = r["kv_bytes"] / 1024
     r = r.groupby(["strategy", "budget"], as_index=False)[["kv_kib", "quality", "speed", "fused"]].mean()
+    scored = r.groupby("strategy")["quality"].transform(lambda q: q.notna().any())
+    none = [P.label(n) for n in P.ordered(r.loc[~scored, "strategy"])]  # (the oracle writes no answers)
+    r = r[scored]
     fig, axes = _subplots(1, 2, figsize=(11.0, 4.4), sharey=True)
     for ax, x in zip(axes, ("kv_kib", "speed"), strict=True):
         _tradeoff_points(ax, P, r, x)
@@ -583,7 +583,6 @@ def tradeoff(runs: pd.DataFrame, mode: str = "original") -> Figure:
     axes[1].set_xlabel(speed + fused)
     axes[0].set_ylabel(ylabel)
     title = f"Quality vs memory and speed ({mode} positions)\n{subject_caption(runs)}"
-    none = [P.label(n) for n in P.ordered(r["strategy"]) if r.loc[r["strategy"] == n, "quality"].isna().all()]
     if none:  # (say so: a policy missing from the figure reads as one not run)
         title += f"\nnot drawn (writes nothing to score): {', '.join(none)}"
     fig.suptitle(title, fontsize=10)

@@ -137,17 +137,15 @@ class AnswerPath(Path):
         budgets, mode = list(self.plan.budgets), self.spec.position_mode
         loop = TokenLoop(self.model, self.policy, budgets, mode, B, max(n, P - 1 + n_new), doc, reference)
         blocked.run_blocked(self.model, inp[:, : P - 1], loop, self.plan.block, rec)
-        prefill_s = time.perf_counter() - start
-        twin, writer = _fused_twin(loop, clock), loop.fork()
+        answer = Prefilled(loop.fork(), tokens[:, :P], n_new, time.perf_counter() - start)  # (its own caches)
         for t in range(P - 1, n):  # the rest of the stream, teacher-forced
             rec.add(t, loop.decode_one_token(inp[:, t : t + 1], t)[:, None])
-        written = torch.cat([tokens[:, :P], tokens.new_zeros(B, n_new)], 1)
-        _write(writer, twin, written, P, clock, prefill_s)
+        written = answer.write(clock, in_place=True)
         out = rec.out
         if loop.lost is not None:
             out["lost"] = loop.lost.values[:, :n]
         loop.held = loop.held[:n]  # (sized for the written tokens too)
-        return replace(self.cache_output(out, loop), written=written[:, P:])
+        return replace(self.cache_output(out, loop), written=written)
 
 
 # Plan.path -> the path that runs it
@@ -271,7 +269,11 @@ class Prefilled:
         return tokens[:, P:]
 
 
-def _check_generate(model: GPT, prompt: torch.Tensor, policy: Policy, n_new: int, spec: StreamSpec) -> None:
+def _generation_plan(
+    model: GPT, prompt: torch.Tensor, policy: Policy, budget: int, n_new: int, spec: StreamSpec
+) -> Plan:
+    """The plan of `n_new` greedy tokens after prompt [B, P] (checked: the policy can generate, the
+    positions fit the model, a prompt and a token to write); the model put in eval mode."""
     check_positions(model.cfg, spec.position_mode)
     if not policy.can_generate():
         why = "it needs the full-cache run's future" if policy.needs_future else "it ablates the full cache"
@@ -279,6 +281,21 @@ def _check_generate(model: GPT, prompt: torch.Tensor, policy: Policy, n_new: int
     P = prompt.shape[1]
     if P < 1 or n_new < 1:
         raise ConfigError(f"generation needs a prompt and n_new >= 1 (got P={P}, n_new={n_new})")
+    model.eval()
+    return plan(policy, budget, replace(spec, compile=False), model.cfg.n_layer, P + n_new)
+
+
+def _prefill(
+    model: GPT, prompt: torch.Tensor, policy: Policy, p: Plan, spec: StreamSpec, n_new: int, doc
+) -> Prefilled:
+    """The prompt on the blocked path (every policy that can generate runs on it) into a token loop sized
+    for `n_new` more tokens."""
+    B, P = prompt.shape
+    start = time.perf_counter()
+    doc = doc if doc is not None else torch.arange(B, device=prompt.device)
+    loop = TokenLoop(model, policy, list(p.budgets), spec.position_mode, B, P + n_new - 1, doc)
+    prefill(model, prompt, loop, min(spec.block, BLOCK_STEPS))
+    return Prefilled(loop, prompt, n_new, time.perf_counter() - start)
 
 
 @torch.no_grad()
@@ -294,17 +311,8 @@ def prefilled(
 ) -> Prefilled | None:
     """The prompt [B, P] prefilled on the blocked path for `n_new` tokens of greedy generation, or None
     where the plan keeps no cache to prefill (the window with re-computation encodes every step afresh)."""
-    _check_generate(model, prompt, policy, n_new, spec)
-    B, P = prompt.shape
-    p = plan(policy, budget, replace(spec, compile=False), model.cfg.n_layer, P + n_new)
-    if p.path == "recompute":
-        return None
-    model.eval()
-    start = time.perf_counter()
-    doc = doc if doc is not None else torch.arange(B, device=prompt.device)
-    loop = TokenLoop(model, policy, list(p.budgets), spec.position_mode, B, P + n_new - 1, doc)
-    prefill(model, prompt, loop, min(spec.block, BLOCK_STEPS))
-    return Prefilled(loop, prompt, n_new, time.perf_counter() - start)
+    p = _generation_plan(model, prompt, policy, budget, n_new, spec)
+    return None if p.path == "recompute" else _prefill(model, prompt, policy, p, spec, n_new, doc)
 
 
 @torch.no_grad()
@@ -324,10 +332,8 @@ def generate(
     tests/test_policies.py holds; spec.force_loop streams it token by token instead; then each new token
     through the token loop). `clock` adds this call's prefill and decode seconds (not on force_loop's
     reference; window + recompute's re-encoding counts as decode)."""
-    _check_generate(model, prompt, policy, n_new, spec)
+    p = _generation_plan(model, prompt, policy, budget, n_new, spec)
     B, P = prompt.shape
-    p = plan(policy, budget, replace(spec, compile=False), model.cfg.n_layer, P + n_new)
-    model.eval()
     if p.path == "recompute":  # no cache: every new token a fresh forward over the window
         start = time.perf_counter()
         out = _generate_recompute(model, prompt, p.budgets[0] + 1, n_new, policy.n_sink)
@@ -340,9 +346,7 @@ def generate(
         doc = doc if doc is not None else torch.arange(B, device=prompt.device)
         _, _, filled = LoopPath(model, policy, p, spec).stream(tokens, None, doc, generate_from=P)
         return filled[:, P:]
-    pre = prefilled(model, prompt, policy, budget, n_new, spec, doc=doc)
-    assert pre is not None  # (the plan keeps a cache)
-    return pre.write(clock, in_place=True)
+    return _prefill(model, prompt, policy, p, spec, n_new, doc).write(clock, in_place=True)
 
 
 def _fused_twin(loop: TokenLoop, clock: DecodeClock | None) -> TokenLoop | None:
