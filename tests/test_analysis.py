@@ -1013,3 +1013,48 @@ def test_figures_register_where_defined_and_drawing_sets_no_global_backend(tmp_p
     assert (tmp_path / "a.png").stat().st_size > 0 and (tmp_path / "a.pdf").stat().st_size > 0
     for name, spec in F.FIGURES.items():  # each entry is the module's function of that name
         assert callable(getattr(F, name)) and spec.draw.__qualname__.startswith("figure.")
+
+
+def test_runs_of_one_policy_that_differ_in_a_setting_are_rows_and_lines_of_their_own():
+    """The recompute window with n_sink 0 and 4 (one strategy name): the band tables give each its row,
+    paired on its own predictions (a sampled run's nll_full holds the reference only where it scored),
+    and nll_vs_position draws each; pooled, the two would average into one row that is neither."""
+    from evictlab.analysis import stats as S
+    from evictlab.analysis.report import band_cost_table, band_table
+
+    curves, streams, results = [], [], []
+    for key, strategy, n_sink, cost in (("s", "streaming_llm", 4, 0.2), ("r0", "recompute_window", 0, 0.5),
+                                        ("r4", "recompute_window", 4, 0.1)):  # fmt: skip
+        ident = {"strategy": strategy, "strategy_label": strategy, "strategy_order": 2 + (strategy != "s")}
+        ident |= {"evicts": True, "budget": 64, "position_mode": "cache", "run_key": key}
+        results.append(ident | {"cfg.strategy.params.n_sink": n_sink})
+        for stream in range(3):
+            for start, end in ((1, 4), (4, 16)):
+                full = 1.0 + 0.1 * stream
+                row = {"stream": stream, "position_start": start, "position": np.sqrt(start * end)}
+                row |= {"n": 2, "n_paired": 2, "nll_full": full, "nll": full + cost + 0.01 * stream}
+                curves.append(ident | row | {"nll_paired": row["nll"]})
+            streams.append(ident | {"stream": stream, "nll": 1.0 + cost, "nll_full": 1.0})
+    tables = {
+        "curves": pd.DataFrame(curves),
+        "streams": pd.DataFrame(streams),
+        "results": pd.DataFrame(results),
+    }
+    split = S.split_settings(tables["streams"], tables["results"])
+    assert set(split["strategy"]) == {
+        "streaming_llm",
+        "recompute_window (n_sink=0)",
+        "recompute_window (n_sink=4)",
+    }
+    assert S.split_settings(tables["streams"], None) is tables["streams"]  # nothing to tell apart by
+    t = band_cost_table(tables, [4])
+    assert list(t.index) == ["streaming_llm", "recompute_window (n_sink=0)", "recompute_window (n_sink=4)"]
+    assert t.loc["recompute_window (n_sink=0)", "1 - 3"].startswith(f"{np.exp(0.51):.3f} [")
+    assert t.loc["recompute_window (n_sink=4)", "4 - 15"].startswith(f"{np.exp(0.11):.3f} [")
+    bands = band_table(tables, [4])
+    assert bands.loc["recompute_window (n_sink=4)", "1 - 3"] == f"{1.0 + 0.1 + 0.1 + 0.01:.3f}"
+    fig = F.draw("nll_vs_position", tables, budget=64, mode="cache")
+    labels = fig.axes[0].get_legend_handles_labels()[1]
+    assert {"recompute_window (n_sink=0)", "recompute_window (n_sink=4)", "streaming_llm"} <= set(labels)
+    direct = F.nll_vs_position(tables["curves"], 64, mode="cache")  # without results: one pooled line
+    assert "recompute_window" in direct.axes[0].get_legend_handles_labels()[1]

@@ -213,10 +213,13 @@ def snapshot_answers(streams: pd.DataFrame, *answers: pd.DataFrame | None) -> pd
 
 def decides(strategy: str) -> bool:
     """Whether a policy decides what to evict by values (scores that rounding can reorder), not by
-    positions alone."""
+    positions alone (the window with re-computation keeps no cache: its windows are positions too)."""
     from evictlab.cache.policies import POLICIES
 
-    return strategy in POLICIES and POLICIES[strategy].evicts and not POLICIES[strategy].position_only
+    if strategy not in POLICIES:
+        return False
+    p = POLICIES[strategy]
+    return p.evicts and not p.position_only and not p.recompute
 
 
 NOISE_FILE = "decision_noise.csv"  # experiments/<name>/: the decision noise measured on its sample

@@ -37,6 +37,7 @@ from evictlab.analysis.stats import (
     reference,
     run_labels,
     run_settings,
+    split_settings,
     subject_caption,
     summarize_streams,
     training_labels,
@@ -272,13 +273,16 @@ def figure(
     applies: Callable[[Tables], bool],
     auto: Callable[[Tables], dict] = lambda t: {},
     per_variant: bool = False,
+    keywords: tuple[str, ...] = (),
 ) -> Callable[[Callable[..., Figure]], Callable[..., Figure]]:
     """Register the decorated function under its name: drawn from the named tables (in its parameters'
-    order) when `applies` holds, with `auto`'s arguments in the sweep report."""
+    order) when `applies` holds, with `auto`'s arguments in the sweep report. `keywords`: tables passed
+    by name where the sweep has them (e.g. results, to tell a policy's runs apart)."""
 
     def register(fn: Callable[..., Figure]) -> Callable[..., Figure]:
         def draw(t: Tables, **args) -> Figure:
-            return fn(*(t[name] for name in tables), **args)
+            named = {k: t[k] for k in keywords if k in t}
+            return fn(*(t[name] for name in tables), **named, **args)
 
         FIGURES[fn.__name__] = FigureSpec(draw, applies, auto, per_variant)
         return fn
@@ -393,7 +397,7 @@ def _stream_curves(g: pd.DataFrame, col: str, smooth: int, min_tokens: int) -> p
     return per_stream
 
 
-@figure("curves", applies=_evicting_budgets, auto=_middle_budget)
+@figure("curves", applies=_evicting_budgets, auto=_middle_budget, keywords=("results",))
 def nll_vs_position(
     curves: pd.DataFrame,
     budget: int,
@@ -403,6 +407,7 @@ def nll_vs_position(
     context_label: str = "training context",
     smooth: int = 3,
     min_tokens: int = 16,
+    results: pd.DataFrame | None = None,
 ) -> Figure:
     """Mean NLL by token position (log x) per policy at one budget: StreamingLLM's Figure 3. `context`: the
     model's training context, marked (past it the full cache attends beyond the positions it was
@@ -413,7 +418,9 @@ def nll_vs_position(
     `smooth`: each stream's curve is a centred mean over this many neighbouring log-spaced position
     buckets (1: none); `min_tokens`: the first buckets, one position each on a log axis, are pooled until
     each holds this many (`stats.pool_buckets`); the title states both. Policies differ in line style and
-    marker as well as colour (lines that coincide stay visible)."""
+    marker as well as colour (lines that coincide stay visible). With `results`, runs of one policy that
+    differ in a setting (n_sink) are lines of their own (`stats.split_settings`)."""
+    curves = split_settings(curves, results)
     P = Policies(curves)
     at = (curves["budget"] == budget) | is_reference(curves)
     if stream_len is not None:

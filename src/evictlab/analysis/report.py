@@ -222,8 +222,10 @@ def band_table(tables: dict[str, pd.DataFrame], edges: list[int]) -> pd.DataFram
     streams' NLL) and the mean NLL [nats] in position bands cut at `edges` (e.g. the training context and
     a later point), labelled with their true edges (`_bands`), each bucket weighted by the predictions it
     holds (the full cache's by those its capped reference covers), all streams pooled: where along a long
-    stream a policy holds or fails. Costs against the full cache: `band_cost_table` (paired)."""
-    c, streams = tables["curves"], tables["streams"]
+    stream a policy holds or fails. Costs against the full cache: `band_cost_table` (paired). Runs of one
+    policy that differ in a setting (n_sink) are rows of their own (`stats.split_settings`)."""
+    results = tables.get("results")
+    c, streams = S.split_settings(tables["curves"], results), S.split_settings(tables["streams"], results)
     from_runs = False
     if not S.is_reference(streams).any() and "nll_full" in c and c["nll_full"].notna().any():
         c, streams = _reference_from_runs(c, streams, tables.get("results"))
@@ -265,8 +267,12 @@ def band_cost_table(tables: dict[str, pd.DataFrame], edges: list[int]) -> pd.Dat
     against the full cache on the same predictions, exp(mean over streams of the stream's NLL difference
     over the band's predictions that the full-cache reference covers), with its 95% CI over the streams
     (`stats.summarize_streams`: Student's t below MIN_BOOTSTRAP_UNITS streams); "-" where the reference
-    covers none of the band. Cells "ratio [low, high]"; `n`: the streams."""
-    c = S.evicting(tables["curves"])
+    covers none of the band. Cells "ratio [low, high]"; `n`: the streams. A sampled run
+    (eval.recompute_sample) is paired on its sampled predictions (its `nll_full` holds the reference there
+    only); runs of one policy that differ in a setting (n_sink) are rows of their own
+    (`stats.split_settings`)."""
+    results = tables.get("results")
+    c = S.evicting(S.split_settings(tables["curves"], results))
     c = c[c["nll_full"].notna()]  # the predictions the reference covers: the bands' edges are theirs
     band, names = _bands(c, edges)
     if "nll_paired" in c:
@@ -278,7 +284,7 @@ def band_cost_table(tables: dict[str, pd.DataFrame], edges: list[int]) -> pd.Dat
     per = c.groupby([*keys, "stream", "band"], observed=True)[["_x", "_w"]].sum()
     per = per[per["_w"] > 0].assign(delta=lambda f: f["_x"] / f["_w"]).reset_index()
     r = S.summarize_streams(per, "delta", np.exp, keys=(*keys, "band"))
-    P = S.PolicyOrder(tables["streams"])
+    P = S.PolicyOrder(S.split_settings(tables["streams"], results))
     r["cell"] = [_interval(*v) for v in r[["point", "low", "high"]].to_numpy()]
     r["order"] = r["strategy"].map(P.order)
     rows = ["order", "strategy", "budget", "position_mode", "n"]

@@ -184,6 +184,37 @@ def run_labels(results: pd.DataFrame) -> pd.Series:
     return labels
 
 
+SETTING_ORDER = 1000  # split_settings: the first order given a policy's runs that differ in a setting
+
+
+def split_settings(frame: pd.DataFrame, results: pd.DataFrame | None) -> pd.DataFrame:
+    """`frame` (rows with a run_key) with the runs of one strategy that differ in a setting (`run_labels`: a
+    parameter such as n_sink, BOS, an arm) told apart: strategy "name (n_sink=4)", strategy_label
+    "label (n_sink=4)" and an order of their own from SETTING_ORDER (after the built-in policies, so a
+    colour and marker of their own), in the base policy's order, then the setting's. Tables grouped by
+    strategy then keep those runs apart instead of pooling them. Unchanged where nothing differs."""
+    if results is None or results.empty or "run_key" not in frame or frame.empty:
+        return frame
+    labels = frame["run_key"].map(run_labels(results)).fillna("").astype(str)
+    split = labels != ""
+    if not split.any():
+        return frame
+    P = PolicyOrder(frame)
+    pairs = sorted(
+        set(zip(frame.loc[split, "strategy"], labels[split], strict=True)),
+        key=lambda p: (P.order.get(p[0], 100), p[0], p[1]),
+    )
+    order = {p: SETTING_ORDER + i for i, p in enumerate(pairs)}
+    f = frame.copy()
+    keys = list(zip(f.loc[split, "strategy"], labels[split], strict=True))
+    f["strategy_label"] = f["strategy"].map(P.label).astype(object)
+    f.loc[split, "strategy_label"] = [f"{P.label(s)} ({x})" for s, x in keys]
+    f.loc[split, "strategy_order"] = [order[k] for k in keys]
+    f["strategy"] = f["strategy"].astype(object)
+    f.loc[split, "strategy"] = [f"{s} ({x})" for s, x in keys]
+    return f
+
+
 def _plain(v):
     """A config value as written: 0, not 0.0 (a column of ints with gaps reads back as floats)."""
     return int(v) if isinstance(v, float) and v.is_integer() else v
