@@ -340,3 +340,8 @@ def test_verify_re_runs_a_task_snapshot_answer_by_answer(session_outputs, tmp_pa
     bad = V.compare(snapshot, again)
     assert set(bad.loc[~bad["ok"], "metric"]) == {"written_match"}
     assert set(bad.loc[~bad["ok"], "stream"]) == {1}
+    # a slice at a time (verify --strategies): only that policy's sampled run; a policy not in it is an error
+    only, _ = V.rerun(folder, "unused", streams=1, outputs=session_outputs, strategies=["h2o"])
+    assert list(only["run"]) == ["h2o b32 original"]
+    with pytest.raises(ValueError, match="tova"):
+        V.rerun(folder, "unused", streams=1, outputs=session_outputs, strategies=["tova"])

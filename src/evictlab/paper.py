@@ -145,6 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=None, help="figure root (default outputs/figures/paper)")
     ap.add_argument("--streams", type=int, default=None, help="for `verify`: the first K streams of each run")
     ap.add_argument("--all", action="store_true", help="for `verify`: every run, not one per policy")
+    ap.add_argument("--strategies", nargs="*", default=None, help="for `verify`: only these policies' runs")
     ap.add_argument("--seeds", type=int, default=3, help="for `noise`: perturbations of the weights")
     ap.add_argument("--rounds", type=int, default=3, help="for `speed`: interleaved timings of every run")
     ap.add_argument("--steps", type=int, default=32, help="for `speed`: decode steps timed per run")
@@ -389,7 +390,9 @@ def verify_main(args) -> int:
         gaps = V.provenance_gaps(load_snapshot(folder), REPO_ROOT)
         print(f"{folder.name}: provenance " + (f"INCOMPLETE: {gaps}" if gaps else "complete"), flush=True)
         status = 1 if gaps else status
-        now, notes = V.rerun(folder, load_spec(folder)["experiment"], args.streams, args.all)
+        now, notes = V.rerun(
+            folder, load_spec(folder)["experiment"], args.streams, args.all, strategies=args.strategies
+        )
         noise = pd.read_csv(folder / V.NOISE_FILE) if (folder / V.NOISE_FILE).exists() else None
         how = f"{V.NOISE_FACTOR:g} x the noise in {V.NOISE_FILE}" if noise is not None else "DECISION_TOL"
         print(f"{folder.name}: value-deciding policies' tolerance: {how}")

@@ -366,13 +366,15 @@ def rerun(
     outputs: Path | None = None,
     transform=None,
     deciding_only: bool = False,
+    strategies: list[str] | None = None,
 ):
     """Re-run the sample of one experiment folder's snapshot of `experiment` (its figures.yaml names it)
     -> (per-stream means now: run_key, run, stream and the compared metrics; notes). Trained subjects load
     from the checkpoint cache or train again (a note says when the weights are not the snapshot's).
     `transform(model) -> model`: run a changed model instead (`perturbed`), with its own full-cache
     references (never the shared ones, which are the unchanged model's); `deciding_only`: only the runs
-    of policies that decide by values (`decides`)."""
+    of policies that decide by values (`decides`); `strategies`: only the sampled runs of these policies
+    (a snapshot re-checked a slice at a time)."""
     from evictlab.config import compose, key_dict, to_objects
     from evictlab.run import RunStages, run_key
     from evictlab.store import stable_hash
@@ -382,9 +384,14 @@ def rerun(
     if results.empty:
         raise ValueError(f"{folder / 'snapshot'} has no results to verify")
     frames, notes = [], []
+    unknown = sorted(set(strategies or []) - set(results["strategy"]))
+    if unknown:
+        known = sorted(set(results["strategy"]))
+        raise ValueError(f"--strategies {unknown}: not among the snapshot's policies {known}")
     subjects: dict[tuple, Subject] = {}  # the sampled runs mostly share one model and one set of streams
     for s in sample_runs(results, experiment, every):
-        if deciding_only and not decides(results.loc[results["run_key"] == s.run_key, "strategy"].iloc[0]):
+        strategy = results.loc[results["run_key"] == s.run_key, "strategy"].iloc[0]
+        if (deciding_only and not decides(strategy)) or (strategies and strategy not in strategies):
             continue
         extra = [f"paths.outputs={outputs}"] if outputs else []
         cfg = to_objects(compose([*s.overrides, "logger=none", *extra]))
