@@ -228,7 +228,7 @@ def band_table(tables: dict[str, pd.DataFrame], edges: list[int]) -> pd.DataFram
     c, streams = S.split_settings(tables["curves"], results), S.split_settings(tables["streams"], results)
     from_runs = False
     if not S.is_reference(streams).any() and "nll_full" in c and c["nll_full"].notna().any():
-        c, streams = _reference_from_runs(c, streams, tables.get("results"))
+        c, streams = _reference_from_runs(c, streams, results)
         from_runs = True
     band, names = _bands(c, edges)
     c = c.assign(_w=_weights(c), band=band)
@@ -284,7 +284,7 @@ def band_cost_table(tables: dict[str, pd.DataFrame], edges: list[int]) -> pd.Dat
     per = c.groupby([*keys, "stream", "band"], observed=True)[["_x", "_w"]].sum()
     per = per[per["_w"] > 0].assign(delta=lambda f: f["_x"] / f["_w"]).reset_index()
     r = S.summarize_streams(per, "delta", np.exp, keys=(*keys, "band"))
-    P = S.PolicyOrder(S.split_settings(tables["streams"], results))
+    P = S.PolicyOrder(c)  # (the split rows: each setting's label and order)
     r["cell"] = [_interval(*v) for v in r[["point", "low", "high"]].to_numpy()]
     r["order"] = r["strategy"].map(P.order)
     rows = ["order", "strategy", "budget", "position_mode", "n"]
