@@ -247,5 +247,8 @@ def test_the_headline_table_keeps_arms_of_one_strategy_apart():
     runs = streams.drop_duplicates("run_key")[["run_key", "strategy", "budget", "position_mode"]]
     t = headline_table({"streams": streams, "results": results, "runs": runs.assign(kv_bytes=1024.0)})
     settings = set(t["setting"])
-    assert {"sink_bos", "sink_text", "bos_key", "bos_value"} <= settings
+    assert {"sink_bos", "sink_text", "bos_value"} <= settings
+    # one arm ablated in every layer (-1) and in one layer at a time: three rows, not one pooled "bos_key"
+    assert {"bos_key, layer=-1", "bos_key, layer=0", "bos_key, layer=1"} <= settings
+    assert "bos_key" not in settings
     assert (t["training runs"] == 3).all()

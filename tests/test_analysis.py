@@ -1058,3 +1058,31 @@ def test_runs_of_one_policy_that_differ_in_a_setting_are_rows_and_lines_of_their
     assert {"recompute_window (n_sink=0)", "recompute_window (n_sink=4)", "streaming_llm"} <= set(labels)
     direct = F.nll_vs_position(tables["curves"], 64, mode="cache")  # without results: one pooled line
     assert "recompute_window" in direct.axes[0].get_legend_handles_labels()[1]
+
+
+def test_an_arms_runs_that_differ_in_a_parameter_are_told_apart_in_every_table():
+    """One arm (conf/arm/) run in every layer and in one layer at a time: `setting_labels` names each run
+    "arm, layer=k", and the tables that keep settings apart (`split_settings`) give each its own row,
+    so an ablation in one layer is never pooled with the same ablation in all of them."""
+    from evictlab.analysis.report import cost_table
+
+    results, streams = [], []
+    for key, layer, cost in (("all", None, 0.4), ("l0", 0, 0.3), ("l1", 1, 0.05)):
+        ident = {"strategy": "bos_ablation", "strategy_label": "BOS ablated", "strategy_order": 20}
+        ident |= {"evicts": True, "budget": 64, "position_mode": "original", "run_key": key}
+        results.append(ident | {"cfg.arm": "bos_key", "cfg.strategy.params.layer": layer})
+        streams += [ident | {"stream": s, "nll": 1.0 + cost + 0.01 * s, "nll_full": 1.0} for s in range(3)]
+    results = pd.DataFrame(results)
+    labels = S.setting_labels(results)
+    assert labels.to_dict() == {"all": "bos_key", "l0": "bos_key, layer=0", "l1": "bos_key, layer=1"}
+    assert set(S.run_labels(results)) == {"bos_key"}  # the arm alone cannot tell them apart
+    split = S.split_settings(pd.DataFrame(streams), results)
+    assert split.groupby("strategy")["nll"].mean().round(3).to_dict() == {
+        "bos_ablation (bos_key)": 1.41,
+        "bos_ablation (bos_key, layer=0)": 1.31,
+        "bos_ablation (bos_key, layer=1)": 1.06,
+    }
+    t = cost_table({"streams": pd.DataFrame(streams), "results": results})
+    rows = ["BOS ablated (bos_key)", "BOS ablated (bos_key, layer=0)", "BOS ablated (bos_key, layer=1)"]
+    assert list(t.index) == rows
+    assert t.loc[rows[2], "b64"].startswith(f"{np.exp(1.06):.2f} ({np.exp(0.06):.3f} [")

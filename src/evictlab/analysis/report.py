@@ -56,7 +56,7 @@ def headline_table(tables: dict[str, pd.DataFrame]) -> pd.DataFrame:
     prefix = [c for c in ("model", "dataset", "variant") if c in streams and streams[c].nunique() > 1]
     setting = []  # runs of one strategy with different parameters (or conf/arm/ arms) get their own rows
     if "results" in tables and not tables["results"].empty:
-        labels = S.run_labels(tables["results"])
+        labels = S.setting_labels(tables["results"])
         if (labels != "").any():
             streams = streams.assign(setting=streams["run_key"].map(labels).fillna(""))
             runs = runs.assign(setting=runs["run_key"].map(labels).fillna(""))
@@ -119,7 +119,7 @@ def cost_table(tables: dict[str, pd.DataFrame], mode: str = "original") -> pd.Da
     streams = tables["streams"]
     P = S.PolicyOrder(streams)
     s = S.evicting(streams[streams["position_mode"] == mode]).assign(delta=S.paired_delta)
-    s = s.assign(policy=_row_names(s, tables, P))
+    s = s.assign(policy=_row_names(s, tables))
     keys = ["strategy", "policy", "budget"]
     ppl = S.summarize_streams(s, "nll", np.exp, keys)
     cost = S.summarize_streams(s, "delta", np.exp, keys)
@@ -130,30 +130,10 @@ def cost_table(tables: dict[str, pd.DataFrame], mode: str = "original") -> pd.Da
     return _policy_grid(cost, P, "budget")
 
 
-_plain = S._plain  # a config value as written: 0, not 0.0
-
-
-def _run_names(results: pd.DataFrame) -> pd.Series:
-    """run_key -> `stats.run_labels`, with the strategy parameters that still vary among runs of one label
-    appended (an arm run in every layer and in one layer at a time: "bos_key, layer=0")."""
-    labels = S.run_labels(results)
-    runs = results.drop_duplicates("run_key").set_index("run_key")
-    params = [c for c in runs if c.startswith("cfg.strategy.params.")]
-    names = labels.copy()
-    for _, g in runs.assign(_label=labels).groupby(["strategy", "_label"]):
-        varying = [c for c in params if g[c].notna().any() and g[c].astype(str).nunique() > 1]
-        for key, row in g.iterrows():
-            extra = [f"{c.rsplit('.', 1)[1]}={_plain(row[c])}" for c in varying if pd.notna(row[c])]
-            names[key] = ", ".join(x for x in (labels[key], *extra) if x)
-    return names
-
-
-def _row_names(s: pd.DataFrame, tables: dict[str, pd.DataFrame], P: S.PolicyOrder) -> list[str]:
-    """Per stream row: its policy's label, with `(setting)` where runs of one policy differ (`_run_names`)."""
-    results = tables.get("results")
-    names = s["run_key"].map(_run_names(results)) if results is not None and len(results) else None
-    names = names.fillna("") if names is not None else pd.Series("", index=s.index)
-    return [f"{P.label(n)} ({x})" if x else P.label(n) for n, x in zip(s["strategy"], names, strict=True)]
+def _row_names(s: pd.DataFrame, tables: dict[str, pd.DataFrame]) -> pd.Series:
+    """Per row: its policy's label, "label (setting)" where runs of one policy differ (`S.split_settings`)."""
+    f = S.split_settings(s, tables.get("results"))
+    return f["strategy_label"] if "strategy_label" in f else f["strategy"]
 
 
 def training_table(
@@ -172,7 +152,7 @@ def training_table(
         s = s[~s["evicts"].astype(bool) | (s["budget"] == budget)]
     P = S.PolicyOrder(streams)
     trained = S.training_labels(tables["results"])
-    s = s.assign(delta=S.paired_delta, row=_row_names(s, tables, P))
+    s = s.assign(delta=S.paired_delta, row=_row_names(s, tables))
     s["training"] = s["checkpoint"].map(trained).fillna(s["checkpoint"])
     if against:
         units = [c for c in (S.CLUSTER, "seed", "stream") if c in s]
@@ -307,7 +287,7 @@ def held_table(tables: dict[str, pd.DataFrame], mode: str = "original") -> pd.Da
     held = layers[(layers["metric"] == "held_p0") & (layers["position_mode"] == mode)]
     held = S.evicting(held) if "evicts" in held else held
     P = S.PolicyOrder(tables["streams"])
-    held = held.assign(policy=_row_names(held, tables, P))  # runs of one policy that differ: apart
+    held = held.assign(policy=_row_names(held, tables))  # runs of one policy that differ: apart
     g = held.groupby(["strategy", "policy", "budget"])["value"].agg(["mean", "min"]).reset_index()
     g["cell"] = [f"{m:.3f} ({lo:.3f})" for m, lo in zip(g["mean"], g["min"], strict=True)]
     return _policy_grid(g, P, "budget")

@@ -184,18 +184,34 @@ def run_labels(results: pd.DataFrame) -> pd.Series:
     return labels
 
 
+def setting_labels(results: pd.DataFrame) -> pd.Series:
+    """run_key -> `run_labels`, with the strategy parameters that still vary among the runs of one label
+    appended (an arm run in every layer and in one layer at a time: "bos_key, layer=0"): the one name of a
+    run's setting that every table and figure tells runs of one strategy apart by."""
+    labels = run_labels(results)
+    runs = results.drop_duplicates("run_key").set_index("run_key")
+    params = [c for c in runs if c.startswith("cfg.strategy.params.")]
+    names = labels.copy()
+    for _, g in runs.assign(_label=labels).groupby(["strategy", "_label"]):
+        varying = [c for c in params if g[c].notna().any() and g[c].astype(str).nunique() > 1]
+        for key, row in g.iterrows():
+            extra = [f"{c.rsplit('.', 1)[1]}={_plain(row[c])}" for c in varying if pd.notna(row[c])]
+            names[key] = ", ".join(x for x in (labels[key], *extra) if x)
+    return names
+
+
 SETTING_ORDER = 1000  # split_settings: the first order given a policy's runs that differ in a setting
 
 
 def split_settings(frame: pd.DataFrame, results: pd.DataFrame | None) -> pd.DataFrame:
-    """`frame` (rows with a run_key) with the runs of one strategy that differ in a setting (`run_labels`: a
-    parameter such as n_sink, BOS, an arm) told apart: strategy "name (n_sink=4)", strategy_label
+    """`frame` (rows with a run_key) with the runs of one strategy that differ in a setting (`setting_labels`:
+    a parameter such as n_sink, BOS, an arm) told apart: strategy "name (n_sink=4)", strategy_label
     "label (n_sink=4)" and an order of their own from SETTING_ORDER (after the built-in policies, so a
     colour and marker of their own), in the base policy's order, then the setting's. Tables grouped by
     strategy then keep those runs apart instead of pooling them. Unchanged where nothing differs."""
     if results is None or results.empty or "run_key" not in frame or frame.empty:
         return frame
-    labels = frame["run_key"].map(run_labels(results)).fillna("").astype(str)
+    labels = frame["run_key"].map(setting_labels(results)).fillna("").astype(str)
     split = labels != ""
     if not split.any():
         return frame
