@@ -1086,3 +1086,38 @@ def test_an_arms_runs_that_differ_in_a_parameter_are_told_apart_in_every_table()
     rows = ["BOS ablated (bos_key)", "BOS ablated (bos_key, layer=0)", "BOS ablated (bos_key, layer=1)"]
     assert list(t.index) == rows
     assert t.loc[rows[2], "b64"].startswith(f"{np.exp(1.06):.2f} ({np.exp(0.06):.3f} [")
+
+
+def test_band_costs_set_against_one_policy_pair_a_sampled_run_through_the_full_cache():
+    """StreamingLLM scores every prediction, a sampled recompute run only some, and harder ones (the full
+    cache's NLL is higher there): set against each other by band, each side's difference to the full cache
+    on its own predictions is what is compared, so how hard the sampled predictions are cancels; against a
+    run that covers the same predictions it is their plain paired difference."""
+    from evictlab.analysis.report import band_cost_table
+
+    curves, results = [], []
+    runs = (("s", "streaming_llm", 0.0, 0.2), ("r", "recompute_window", 1.0, 0.1), ("w", "window", 0.0, 0.6))
+    for key, strategy, harder, cost in runs:
+        ident = {"strategy": strategy, "strategy_label": strategy.replace("_", " ")}
+        ident |= {"strategy_order": len(results)}
+        ident |= {"evicts": True, "budget": 64, "position_mode": "cache", "run_key": key}
+        results.append(ident)
+        for stream in range(4):
+            for start, n in ((1, 3), (4, 12)):
+                full = 1.0 + 0.1 * stream + harder
+                nll = full + cost + (0.02 * stream if key == "w" else 0.0)
+                row = {"stream": stream, "position_start": start, "n": n}
+                row["position"] = np.sqrt(start * (start + n))  # (a log bucket's centre)
+                curves.append(ident | row | {"n_paired": n, "nll_full": full, "nll": nll, "nll_paired": nll})
+    tables = {"curves": pd.DataFrame(curves), "results": pd.DataFrame(results)}
+    t = band_cost_table(tables, [4], against="streaming llm")  # (a label, as figures.yaml names rows)
+    assert list(t.index) == ["recompute window", "window"]
+    same = f"{np.exp(0.1):.3f}"  # every stream 0.2 - 0.1 (not 1.2 - 2.1: the sampled ones are harder)
+    assert t.loc["recompute window", "4 - 15"] == f"{same} [{same}, {same}]"
+    window = t.loc["window", "1 - 3"]  # 0.2 - (0.6 + 0.02 x stream) per stream: mean -0.43, t-interval
+    d = np.array([0.2 - 0.6 - 0.02 * s for s in range(4)])
+    half = 3.182446 * d.std(ddof=1) / 2  # t(0.975, 3 df) x standard error over 4 streams
+    low, high = np.exp(d.mean() - half), np.exp(d.mean() + half)
+    assert window == f"{np.exp(d.mean()):.3f} [{low:.3f}, {high:.3f}]"
+    with pytest.raises(ValueError, match="no row 'TOVA'"):
+        band_cost_table(tables, [4], against="TOVA")

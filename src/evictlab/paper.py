@@ -303,6 +303,11 @@ def _tables_text(name: str, tables: dict[str, pd.DataFrame], wanted: dict) -> st
         what = "exp(mean per-stream NLL difference) on the predictions both cover [95% CI; n streams]"
         out += ["", f"paired cost by position band, policy / full cache: {what}:"]
         out.append(markdown(band_cost_table(tables, bands)))
+        for against in wanted.get("against", []):
+            what = "exp(mean per-stream difference of the two band costs above) [95% CI; n streams]"
+            head = f"{against} against each other policy by position band (above 1: the row does better)"
+            out += ["", f"{head}, {what}:"]
+            out.append(markdown(band_cost_table(tables, bands, against=against)))
     if (against := wanted.get("sinks_against")) is not None:
         out += [
             "",

@@ -242,7 +242,9 @@ def band_table(tables: dict[str, pd.DataFrame], edges: list[int]) -> pd.DataFram
     return out
 
 
-def band_cost_table(tables: dict[str, pd.DataFrame], edges: list[int]) -> pd.DataFrame:
+def band_cost_table(
+    tables: dict[str, pd.DataFrame], edges: list[int], against: str | None = None
+) -> pd.DataFrame:
     """Per evicting policy, budget and mode (rows) x position band (`_bands`, true edges): the paired cost
     against the full cache on the same predictions, exp(mean over streams of the stream's NLL difference
     over the band's predictions that the full-cache reference covers), with its 95% CI over the streams
@@ -250,7 +252,15 @@ def band_cost_table(tables: dict[str, pd.DataFrame], edges: list[int]) -> pd.Dat
     covers none of the band. Cells "ratio [low, high]"; `n`: the streams. A sampled run
     (eval.recompute_sample) is paired on its sampled predictions (its `nll_full` holds the reference there
     only); runs of one policy that differ in a setting (n_sink) are rows of their own
-    (`stats.split_settings`)."""
+    (`stats.split_settings`).
+
+    `against` (a row's name or label, e.g. "StreamingLLM"): that policy set against each other row of its
+    budget and mode instead, exp(mean over streams of (its band difference to the full cache - the
+    row's)): its perplexity / the row's, above 1 where the row does better. Where both cover the same
+    predictions the full cache cancels and this is their plain paired difference; against a sampled run
+    it is a difference of differences, each paired with the full cache on its own predictions of that
+    band and stream (the full cache as control for how hard the sampled predictions are), the sampling
+    error in the CI."""
     results = tables.get("results")
     c = S.evicting(S.split_settings(tables["curves"], results))
     c = c[c["nll_full"].notna()]  # the predictions the reference covers: the bands' edges are theirs
@@ -263,6 +273,12 @@ def band_cost_table(tables: dict[str, pd.DataFrame], edges: list[int]) -> pd.Dat
     keys = ["strategy", "budget", "position_mode"]
     per = c.groupby([*keys, "stream", "band"], observed=True)[["_x", "_w"]].sum()
     per = per[per["_w"] > 0].assign(delta=lambda f: f["_x"] / f["_w"]).reset_index()
+    if against is not None:
+        named = [n for n in per["strategy"].unique() if against in (n, S.PolicyOrder(c).label(n))]
+        if not named:
+            rows = sorted(S.PolicyOrder(c).label(n) for n in per["strategy"].unique())
+            raise ValueError(f"no row {against!r} to compare against; rows: {rows}")
+        per = _against(per, named[0], keys)
     r = S.summarize_streams(per, "delta", np.exp, keys=(*keys, "band"))
     P = S.PolicyOrder(c)  # (the split rows: each setting's label and order)
     r["cell"] = [_interval(*v) for v in r[["point", "low", "high"]].to_numpy()]
@@ -275,6 +291,15 @@ def band_cost_table(tables: dict[str, pd.DataFrame], edges: list[int]) -> pd.Dat
     t["budget"] = [f"{int(b):,}" for b in t["budget"]]
     cols = ["policy", "budget", "position_mode", "n", *[n for n in names if n in t]]
     return t[cols].rename(columns={"position_mode": "mode"}).set_index("policy").fillna("-")
+
+
+def _against(per: pd.DataFrame, against: str, keys: list[str]) -> pd.DataFrame:
+    """Per-stream band deltas (`band_cost_table`) -> the `against` policy's delta minus each other row's
+    of the same budget, mode, stream and band (rows that lack a counterpart are dropped)."""
+    units = ["budget", "position_mode", "stream", "band"]
+    base = per[per["strategy"] == against]
+    other = per[per["strategy"] != against].merge(base[[*units, "delta"]], on=units, suffixes=("", "_base"))
+    return other.assign(delta=other["delta_base"] - other["delta"]).drop(columns="delta_base")
 
 
 def held_table(tables: dict[str, pd.DataFrame], mode: str = "original") -> pd.DataFrame | None:
