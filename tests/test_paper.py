@@ -407,8 +407,22 @@ def test_a_one_model_snapshot_prints_its_against_rows_paired_per_stream():
     ratio = np.exp((s["streaming_llm"] - s["h2o"]).mean())
     row = next(line for line in block.splitlines() if line.startswith("| h2o |"))
     assert row.split("|")[3].strip().startswith(f"{ratio:.3f} [")
-    # a run that scored sampled steps only (window + recompute) is not set against a row over all steps
+    # a run that scored sampled steps only (window + recompute) is set against the row through the full
+    # cache: each side's cost against it on its own predictions, never their plain NLLs (other tokens)
+    from evictlab.analysis import stats as S
+
     quality = paper.load_snapshot(paper.EXPERIMENTS / "smollm2_quality")
     out = paper._tables_text("smollm2_quality", quality, {"against": ["StreamingLLM"]})
     block = out[out.index("StreamingLLM against each other policy") :].split("\n\n")[0]
-    assert "window+recompute" in out and "window+recompute" not in block and "| h2o |" in block
+    q = quality["streams"]
+    q = q[(q["budget"] == 64) & (q["position_mode"] == "original")].set_index(["run_key", "stream"])
+    labels = S.setting_labels(quality["results"])
+    recompute = next(
+        k for k in S.sampled_runs(quality["results"]) & set(q.index.levels[0]) if labels[k] == "n_sink=0"
+    )
+    sinks = q[q["strategy"] == "streaming_llm"].index[0][0]
+    cost = q["nll"] - q["nll_full"]
+    through_full = np.exp((cost[sinks] - cost[recompute]).mean())
+    row = next(line for line in block.splitlines() if line.startswith("| window+recompute (n_sink=0) |"))
+    assert row.split("|")[3].strip().startswith(f"{through_full:.3f} [")
+    assert abs(np.exp((q["nll"][sinks] - q["nll"][recompute]).mean()) - through_full) > 0.01  # other tokens

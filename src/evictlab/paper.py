@@ -199,10 +199,11 @@ def snapshot_tables(folder: Path) -> str:
 
 def _all_steps(tables: dict[str, pd.DataFrame]) -> dict[str, pd.DataFrame]:
     """The tables without the runs that scored sampled steps only (eval.recompute_sample)."""
-    results = tables["results"]
-    if "cfg.eval.recompute_sample" not in results:
+    from evictlab.analysis import stats as S
+
+    sampled = S.sampled_runs(tables["results"])
+    if not sampled:
         return tables
-    sampled = set(results.loc[results["cfg.eval.recompute_sample"].fillna(0) > 0, "run_key"])
     return {k: t[~t["run_key"].isin(sampled)] if "run_key" in t else t for k, t in tables.items()}
 
 
@@ -225,7 +226,11 @@ def _training_lines(tables: dict[str, pd.DataFrame], wanted: dict, mode: str) ->
                 out += ["", f"{against} against each other policy, budget {int(budget)} ({what}):"]
                 out.append(markdown(training_table(tables, mode, int(budget), against)))
         return out
-    tables = _all_steps(tables)  # (a sampled run's NLL covers other tokens than the row it is set against)
+    whole = _all_steps(tables)["streams"]
+    if "nll_paired" in whole and (whole["nll_paired"].fillna(whole["nll"]) != whole["nll"]).any():
+        # a capped reference (its span shorter than the streams): a sampled run pairs with the others only
+        # on that span, not on the whole streams this table compares (the band tables pair it by band)
+        tables = _all_steps(tables)
     original = tables["streams"][tables["streams"]["position_mode"] == mode]
     budgets = sorted(S.evicting(original)["budget"].unique())
     for against in wanted.get("against", []):

@@ -144,8 +144,10 @@ def training_table(
     full-cache perplexity with a 95% paired CI over that training's streams, and in the last column over
     all trainings with the hierarchical CI (training, then stream). `budget`: only the evicting runs of
     that budget. `against` (a row's name, e.g. "window"): that row's perplexity / each other evicting
-    row's instead, paired per stream (above 1: the row does better). For a group whose trainings are one
-    recipe's seeds: does a result hold in each?"""
+    row's instead, paired per stream (above 1: the row does better); a run that scored sampled steps only
+    (`stats.sampled_runs`) is set against it through the full cache: exp(mean over streams of the row's
+    cost against the full cache minus the sampled run's, each on its own predictions). For a group whose
+    trainings are one recipe's seeds: does a result hold in each?"""
     streams = tables["streams"]
     s = streams[(streams["position_mode"] == mode) & ~S.is_reference(streams)]
     if budget is not None:
@@ -156,11 +158,15 @@ def training_table(
     s["training"] = s["checkpoint"].map(trained).fillna(s["checkpoint"])
     if against:
         units = [c for c in (S.CLUSTER, "seed", "stream") if c in s]
-        base = s[s["row"] == against].set_index(units)["nll"]
+        base = s[s["row"] == against].set_index(units)
         if base.empty:
             raise ValueError(f"no row {against!r} to compare against; rows: {sorted(s['row'].unique())}")
         s = s[(s["row"] != against) & s["evicts"].astype(bool)]  # policies against policies
-        s["delta"] = base.reindex(pd.MultiIndex.from_frame(s[units])).to_numpy() - s["nll"].to_numpy()
+        at = pd.MultiIndex.from_frame(s[units])
+        plain = base["nll"].reindex(at).to_numpy() - s["nll"].to_numpy()
+        through_full = base["delta"].reindex(at).to_numpy() - s["delta"].to_numpy()
+        sampled = s["run_key"].isin(S.sampled_runs(tables.get("results"))).to_numpy()
+        s["delta"] = np.where(sampled, through_full, plain)
         s = s.dropna(subset=["delta"])
     rows = []
     for (name, label), g in s.groupby(["strategy", "row"]):

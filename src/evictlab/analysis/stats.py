@@ -200,6 +200,15 @@ def setting_labels(results: pd.DataFrame) -> pd.Series:
     return names
 
 
+def sampled_runs(results: pd.DataFrame | None) -> set[str]:
+    """The run_keys of runs that scored sampled steps only (eval.recompute_sample > 0): their NLL covers
+    other predictions than a run that scored every step, so they pair with others only through the full
+    cache (each side's difference to it on its own predictions)."""
+    if results is None or "cfg.eval.recompute_sample" not in results:
+        return set()
+    return set(results.loc[results["cfg.eval.recompute_sample"].fillna(0) > 0, "run_key"])
+
+
 SETTING_ORDER = 1000  # split_settings: the first order given a policy's runs that differ in a setting
 
 
