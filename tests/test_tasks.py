@@ -343,5 +343,12 @@ def test_verify_re_runs_a_task_snapshot_answer_by_answer(session_outputs, tmp_pa
     # a slice at a time (verify --strategies): only that policy's sampled run; a policy not in it is an error
     only, _ = V.rerun(folder, "unused", streams=1, outputs=session_outputs, strategies=["h2o"])
     assert list(only["run"]) == ["h2o b32 original"]
+    # make noise: the value-deciding run (H2O, not StreamingLLM) plain and perturbed; its passes in two
+    # worker processes measure what one process does
+    noise = V.decision_noise(folder, "unused", seeds=1, streams=1, outputs=session_outputs)
+    assert set(noise["run"]) == {"h2o b32 original"} and set(noise["perturbations"]) == {1}
+    assert {"nll", "kl", "agree", "answer_nll"} <= set(noise["metric"]) and (noise["noise"] >= 0).all()
+    both = V.decision_noise(folder, "unused", seeds=1, streams=1, outputs=session_outputs, jobs=2)
+    pd.testing.assert_frame_equal(noise, both)
     with pytest.raises(ValueError, match="tova"):
         V.rerun(folder, "unused", streams=1, outputs=session_outputs, strategies=["tova"])

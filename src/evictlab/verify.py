@@ -267,15 +267,40 @@ def noise_table(plain: pd.DataFrame, moved: list[pd.DataFrame]) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-def decision_noise(folder: Path, experiment: str, seeds: int = 3, streams: int | None = None) -> pd.DataFrame:
+def _unchanged(model):
+    return model
+
+
+def decision_noise(
+    folder: Path,
+    experiment: str,
+    seeds: int = 3,
+    streams: int | None = None,
+    jobs: int = 1,
+    outputs: Path | None = None,
+) -> pd.DataFrame:
     """Re-run the sample's value-deciding runs plain and under `seeds` perturbations (`perturbed`) ->
-    `noise_table` (written to the folder's NOISE_FILE by `paper noise`)."""
-    plain, _ = rerun(folder, experiment, streams, transform=lambda m: m, deciding_only=True)
-    moved = [
-        rerun(folder, experiment, streams, transform=lambda m, s=s: perturbed(m, s), deciding_only=True)[0]
-        for s in range(seeds)
-    ]
-    return noise_table(plain, moved)
+    `noise_table` (written to the folder's NOISE_FILE by `paper noise`). The 1 + `seeds` passes are
+    independent: `jobs` > 1 runs them in that many worker processes (each at the runs' own eval.threads,
+    so on a machine of N cores, N jobs of 1-thread runs take about 1/N of the time)."""
+    import functools
+
+    results = R.read_tables(folder / "snapshot")["results"]
+    sample = sample_runs(results, experiment)  # drawn here, once: every pass re-runs the same runs
+    transforms = [_unchanged, *(functools.partial(perturbed, seed=s) for s in range(seeds))]
+    one = functools.partial(_noise_pass, folder, experiment, streams=streams, outputs=outputs, sample=sample)
+    if jobs > 1:
+        from joblib import Parallel, delayed
+
+        frames = Parallel(n_jobs=jobs)(delayed(one)(t) for t in transforms)
+    else:
+        frames = [one(t) for t in transforms]
+    return noise_table(frames[0], frames[1:])
+
+
+def _noise_pass(folder, experiment, transform, streams=None, outputs=None, sample=None) -> pd.DataFrame:
+    return rerun(folder, experiment, streams, outputs=outputs, transform=transform, deciding_only=True,
+                 sample=sample)[0]  # fmt: skip
 
 
 def compare(snapshot: pd.DataFrame, now: pd.DataFrame, noise: pd.DataFrame | None = None) -> pd.DataFrame:
@@ -367,6 +392,7 @@ def rerun(
     transform=None,
     deciding_only: bool = False,
     strategies: list[str] | None = None,
+    sample: list[Sampled] | None = None,
 ):
     """Re-run the sample of one experiment folder's snapshot of `experiment` (its figures.yaml names it)
     -> (per-stream means now: run_key, run, stream and the compared metrics; notes). Trained subjects load
@@ -374,7 +400,8 @@ def rerun(
     `transform(model) -> model`: run a changed model instead (`perturbed`), with its own full-cache
     references (never the shared ones, which are the unchanged model's); `deciding_only`: only the runs
     of policies that decide by values (`decides`); `strategies`: only the sampled runs of these policies
-    (a snapshot re-checked a slice at a time)."""
+    (a snapshot re-checked a slice at a time); `sample`: these runs instead of `sample_runs`' (drawn once
+    by a caller that re-runs them several times)."""
     from evictlab.config import compose, key_dict, to_objects
     from evictlab.run import RunStages, run_key
     from evictlab.store import stable_hash
@@ -389,7 +416,7 @@ def rerun(
         known = sorted(set(results["strategy"]))
         raise ValueError(f"--strategies {unknown}: not among the snapshot's policies {known}")
     subjects: dict[tuple, Subject] = {}  # the sampled runs mostly share one model and one set of streams
-    for s in sample_runs(results, experiment, every):
+    for s in sample_runs(results, experiment, every) if sample is None else sample:
         strategy = results.loc[results["run_key"] == s.run_key, "strategy"].iloc[0]
         if (deciding_only and not decides(strategy)) or (strategies and strategy not in strategies):
             continue
