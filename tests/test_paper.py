@@ -394,6 +394,13 @@ def test_decision_noise_is_measured_under_rounding_level_perturbations_and_sets_
     assert not V.compare(snapshot, too_far, noise)["ok"].all()
     moved_window = now.assign(nll=[3.0, 2.0, 3.3 * 1.0035], nll_full=1.5, kl=0.5, correct=0.4)
     assert not V.compare(snapshot, moved_window, noise)["ok"].all()  # position-only: no noise allowed
+    # a measured noise below DECISION_TOL (H2O's: ~1e-7) never narrows that floor, which another CPU set
+    calm = noise.assign(noise=0.0)
+    nll = lambda f: [3.0 * f, 2.0, 3.3]  # noqa: E731
+    ok = V.compare(snapshot, now.assign(nll=nll(1.0015), nll_full=1.5, kl=0.5, correct=0.4), calm)
+    assert ok.loc[ok["metric"] == "nll", "ok"].all()
+    off = V.compare(snapshot, now.assign(nll=nll(1.0025), nll_full=1.5, kl=0.5, correct=0.4), calm)
+    assert not off.loc[off["metric"] == "nll", "ok"].all()
 
 
 def test_a_one_model_snapshot_prints_its_against_rows_paired_per_stream():
