@@ -23,6 +23,7 @@ from matplotlib.figure import Figure
 
 from evictlab.analysis.stats import (
     RUNS_REFERENCE,
+    SETTING_ORDER,
     PolicyOrder,
     curve_band,
     evicting,
@@ -37,6 +38,7 @@ from evictlab.analysis.stats import (
     reference,
     run_labels,
     run_settings,
+    sampled_runs,
     split_settings,
     subject_caption,
     summarize_streams,
@@ -71,11 +73,16 @@ LINESTYLES = ("-", "--", "-.", ":", (0, (5, 1, 1, 1)), (0, (3, 1, 1, 1, 1, 1)))
 
 
 def policy_color(order: int):
+    """tab10 for the built-in orders; hues spread by the golden ratio beyond, darker for a policy's runs
+    told apart by a setting (orders from SETTING_ORDER), so they stay apart from tab10's medium tones."""
     if 0 <= order < len(_PALETTE):
         return _PALETTE[order]
     import colorsys
 
-    return colorsys.hsv_to_rgb((0.11 + 0.618034 * order) % 1.0, 0.65, 0.72)
+    value = 0.45 if order >= SETTING_ORDER else 0.72
+    return colorsys.hsv_to_rgb(
+        (0.11 + 0.618034 * order) % 1.0, 0.8 if order >= SETTING_ORDER else 0.65, value
+    )
 
 
 def _subplots(nrows: int = 1, ncols: int = 1, *, figsize, layout=None, **kw):
@@ -426,7 +433,9 @@ def nll_vs_position(
     if stream_len is not None:
         at &= curves["stream_len"] == stream_len
     c = curves[(curves["position_mode"] == mode) & at]
-    fig, ax = _subplots(figsize=(7.6, 4.2))
+    sampled = sampled_runs(results)  # (a sampled run's buckets hold a few predictions each: no band)
+    wide = "run_key" in c and c["run_key"].isin(sampled).any()  # (its longer legend labels)
+    fig, ax = _subplots(figsize=(8.6 if wide else 7.6, 4.2))
     lines = [(name, c[c["strategy"] == name], "nll", P.label(name)) for name in P.ordered(c["strategy"])]
     if (
         not any(P.is_reference(name) for name in c["strategy"])
@@ -438,6 +447,8 @@ def nll_vs_position(
         lines.insert(0, (RUNS_REFERENCE, first, "nll_full", "full cache (reference)"))
     for name, g, col, label in lines:
         g = g.dropna(subset=[col])
+        thin = col == "nll" and len(g) > 0 and g["run_key"].isin(sampled).all() if "run_key" in g else False
+        label = f"{label}, sampled" if thin else label
         mean = curve_band(_stream_curves(g, col, smooth, min_tokens), col)
         reference = P.is_reference(name) or col == "nll_full"
         color = P.color(name) if col == "nll" else "0.2"
@@ -445,7 +456,7 @@ def nll_vs_position(
         look = look or {"lw": 1.5, "ls": P.linestyle(name), "marker": P.marker(name)}
         markevery = (P.order.get(name, 0) % 4, 4)
         ax.plot(mean["position"], mean["mean"], color=color, label=label, ms=3.5, markevery=markevery, **look)
-        if "stream" in g and g["stream"].nunique() > 1:
+        if "stream" in g and g["stream"].nunique() > 1 and not thin:
             ax.fill_between(mean["position"], mean["low"], mean["high"], color=color, alpha=0.15, lw=0)
     ax.axvline(budget, color="0.5", lw=0.8, ls=":", label=f"cache budget ({budget:,})")
     if context is not None:
