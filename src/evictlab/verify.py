@@ -303,8 +303,9 @@ def decision_noise(
 
 
 def _noise_pass(folder, experiment, transform, streams=None, outputs=None, sample=None) -> pd.DataFrame:
-    return rerun(folder, experiment, streams, outputs=outputs, transform=transform, deciding_only=True,
-                 sample=sample)[0]  # fmt: skip
+    """One pass of `decision_noise`: the sample's value-deciding runs under `transform`."""
+    kw = {"outputs": outputs, "transform": transform, "deciding_only": True, "sample": sample}
+    return rerun(folder, experiment, streams, **kw)[0]
 
 
 def compare(snapshot: pd.DataFrame, now: pd.DataFrame, noise: pd.DataFrame | None = None) -> pd.DataFrame:

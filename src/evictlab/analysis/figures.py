@@ -404,6 +404,24 @@ def _stream_curves(g: pd.DataFrame, col: str, smooth: int, min_tokens: int) -> p
     return per_stream
 
 
+def _position_lines(ax, lines, P: Policies, sampled: set[str], smooth: int, min_tokens: int) -> None:
+    """`nll_vs_position`'s lines: (name, curve rows, column, label) each, its 95% band over streams
+    unless the run scored sampled steps only (`sampled`: a few predictions per bucket)."""
+    for name, g, col, label in lines:
+        g = g.dropna(subset=[col])
+        thin = col == "nll" and len(g) > 0 and g["run_key"].isin(sampled).all() if "run_key" in g else False
+        label = f"{label}, sampled" if thin else label
+        mean = curve_band(_stream_curves(g, col, smooth, min_tokens), col)
+        reference = P.is_reference(name) or col == "nll_full"
+        color = P.color(name) if col == "nll" else "0.2"
+        look = {"lw": 2.0, "ls": "-", "marker": None} if reference else {}
+        look = look or {"lw": 1.5, "ls": P.linestyle(name), "marker": P.marker(name)}
+        markevery = (P.order.get(name, 0) % 4, 4)
+        ax.plot(mean["position"], mean["mean"], color=color, label=label, ms=3.5, markevery=markevery, **look)
+        if "stream" in g and g["stream"].nunique() > 1 and not thin:
+            ax.fill_between(mean["position"], mean["low"], mean["high"], color=color, alpha=0.15, lw=0)
+
+
 @figure("curves", applies=_evicting_budgets, auto=_middle_budget, keywords=("results",))
 def nll_vs_position(
     curves: pd.DataFrame,
@@ -445,19 +463,7 @@ def nll_vs_position(
         # every run of these streams has this reference: draw it from the first policy's runs
         first = c[c["strategy"] == P.ordered(c["strategy"])[0]]
         lines.insert(0, (RUNS_REFERENCE, first, "nll_full", "full cache (reference)"))
-    for name, g, col, label in lines:
-        g = g.dropna(subset=[col])
-        thin = col == "nll" and len(g) > 0 and g["run_key"].isin(sampled).all() if "run_key" in g else False
-        label = f"{label}, sampled" if thin else label
-        mean = curve_band(_stream_curves(g, col, smooth, min_tokens), col)
-        reference = P.is_reference(name) or col == "nll_full"
-        color = P.color(name) if col == "nll" else "0.2"
-        look = {"lw": 2.0, "ls": "-", "marker": None} if reference else {}
-        look = look or {"lw": 1.5, "ls": P.linestyle(name), "marker": P.marker(name)}
-        markevery = (P.order.get(name, 0) % 4, 4)
-        ax.plot(mean["position"], mean["mean"], color=color, label=label, ms=3.5, markevery=markevery, **look)
-        if "stream" in g and g["stream"].nunique() > 1 and not thin:
-            ax.fill_between(mean["position"], mean["low"], mean["high"], color=color, alpha=0.15, lw=0)
+    _position_lines(ax, lines, P, sampled, smooth, min_tokens)
     ax.axvline(budget, color="0.5", lw=0.8, ls=":", label=f"cache budget ({budget:,})")
     if context is not None:
         ax.axvline(context, color="k", lw=1.0, ls="-.", label=f"{context_label} ({context:,})")
