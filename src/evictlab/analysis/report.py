@@ -279,14 +279,14 @@ def band_cost_table(
     keys = ["strategy", "budget", "position_mode"]
     per = c.groupby([*keys, "stream", "band"], observed=True)[["_x", "_w"]].sum()
     per = per[per["_w"] > 0].assign(delta=lambda f: f["_x"] / f["_w"]).reset_index()
+    P = S.PolicyOrder(c)  # (the split rows: each setting's label and order)
     if against is not None:
-        named = [n for n in per["strategy"].unique() if against in (n, S.PolicyOrder(c).label(n))]
+        named = [n for n in per["strategy"].unique() if against in (n, P.label(n))]
         if not named:
-            rows = sorted(S.PolicyOrder(c).label(n) for n in per["strategy"].unique())
+            rows = sorted(P.label(n) for n in per["strategy"].unique())
             raise ValueError(f"no row {against!r} to compare against; rows: {rows}")
         per = _against(per, named[0], keys)
     r = S.summarize_streams(per, "delta", np.exp, keys=(*keys, "band"))
-    P = S.PolicyOrder(c)  # (the split rows: each setting's label and order)
     r["cell"] = [_interval(*v) for v in r[["point", "low", "high"]].to_numpy()]
     r["order"] = r["strategy"].map(P.order)
     rows = ["order", "strategy", "budget", "position_mode", "n"]
