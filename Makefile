@@ -69,7 +69,7 @@ verify: ## Re-run a sample of a committed snapshot (one run per policy) and comp
 speed: ## Time every writing run of a snapshot again in one sitting (interleaved rounds) into experiments/EXP/speed.csv, which make tables and the trade-off figure read: make speed EXP=smollm2_tasks [ARGS="--rounds 3 --steps 32"]
 	$(PY) -m evictlab.paper speed --only $(EXP) $(ARGS)
 
-noise: ## Measure a snapshot's decision noise (its value-deciding sampled runs under 3 rounding-level weight perturbations) into experiments/EXP/decision_noise.csv, the tolerance make verify then uses
+noise: ## Measure a snapshot's decision noise (its value-deciding sampled runs under 3 rounding-level weight perturbations) into experiments/EXP/decision_noise.csv, the tolerance make verify then uses (resumable: run again after a stop; ARGS=--fresh starts over)
 	$(PY) -m evictlab.paper noise --only $(EXP) $(ARGS)
 
 aggregate: ## Collect a sweep's runs into results.parquet (+ failures.csv): make aggregate EXP=default

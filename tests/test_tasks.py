@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pandas as pd
 import pytest
@@ -350,5 +352,23 @@ def test_verify_re_runs_a_task_snapshot_answer_by_answer(session_outputs, tmp_pa
     assert {"nll", "kl", "agree", "answer_nll"} <= set(noise["metric"]) and (noise["noise"] >= 0).all()
     both = V.decision_noise(folder, "unused", seeds=1, streams=1, outputs=session_outputs, jobs=2)
     pd.testing.assert_frame_equal(noise, both)
+    # resumable: each (pass, run) kept as it is measured; a later call reads them back and measures nothing
+    # (a call stopped by a crash or a session's end goes on from its finished runs); --fresh drops them
+    resumable = {"seeds": 1, "streams": 1, "outputs": session_outputs, "resume": True}
+    pd.testing.assert_frame_equal(noise, V.decision_noise(folder, "unused", **resumable, fresh=True))
+    kept = sorted((session_outputs / V.RESUME_DIR / folder.name).glob("*.parquet"))
+    assert len(kept) == 2  # the plain pass and perturbed(seed=0), one run each
+
+    def measured(*args, **kwargs):
+        raise RuntimeError("measured again")
+
+    monkeypatch.setattr(V, "measure", measured)
+    pd.testing.assert_frame_equal(noise, V.decision_noise(folder, "unused", **resumable))
+    kept[0].unlink()  # one pass stopped before its run was kept: only that run is measured
+    with pytest.raises(RuntimeError, match="measured again"):
+        V.decision_noise(folder, "unused", **resumable)
+    with pytest.raises(RuntimeError, match="measured again"):
+        V.decision_noise(folder, "unused", **resumable, fresh=True)
+    assert V.transform_label(functools.partial(V.perturbed, seed=2)) == "perturbed(seed=2)"
     with pytest.raises(ValueError, match="tova"):
         V.rerun(folder, "unused", streams=1, outputs=session_outputs, strategies=["tova"])

@@ -148,6 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--strategies", nargs="*", default=None, help="for `verify`: only these policies' runs")
     ap.add_argument("--seeds", type=int, default=3, help="for `noise`: perturbations of the weights")
     ap.add_argument("--jobs", type=int, default=1, help="for `noise`: passes run at once, in processes")
+    ap.add_argument("--fresh", action="store_true", help="for `noise`: drop the runs earlier calls kept")
     ap.add_argument("--rounds", type=int, default=3, help="for `speed`: interleaved timings of every run")
     ap.add_argument("--steps", type=int, default=32, help="for `speed`: decode steps timed per run")
     args = ap.parse_args(argv)
@@ -394,7 +395,8 @@ def verify_main(args) -> int:
     for folder in folders:
         if args.command == "noise":  # measure what rounding does to the value-deciding runs: the tolerance
             experiment = load_spec(folder)["experiment"]
-            noise = V.decision_noise(folder, experiment, args.seeds, args.streams, jobs=args.jobs)
+            kw = {"jobs": args.jobs, "resume": True, "fresh": args.fresh}  # (a stopped call goes on)
+            noise = V.decision_noise(folder, experiment, args.seeds, args.streams, **kw)
             noise.to_csv(folder / V.NOISE_FILE, index=False, float_format="%.6g")
             print(noise.to_string(index=False, float_format=lambda x: f"{x:.3g}"))
             print(f"{folder.name}: decision noise -> {folder / V.NOISE_FILE}")

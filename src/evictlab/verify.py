@@ -282,17 +282,27 @@ def decision_noise(
     streams: int | None = None,
     jobs: int = 1,
     outputs: Path | None = None,
+    resume: bool = False,
+    fresh: bool = False,
 ) -> pd.DataFrame:
     """Re-run the sample's value-deciding runs plain and under `seeds` perturbations (`perturbed`) ->
     `noise_table` (written to the folder's NOISE_FILE by `paper noise`). The 1 + `seeds` passes are
     independent: `jobs` > 1 runs them in that many worker processes (each at the runs' own eval.threads,
-    so on a machine of N cores, N jobs of 1-thread runs take about 1/N of the time)."""
+    so on a machine of N cores, N jobs of 1-thread runs take about 1/N of the time). `resume`: each
+    (pass, run) result is kept under outputs/cache/noise/ as it is measured and read back by a later call
+    (hours of passes survive a crash or a session's end; `RESUME_DIR`); `fresh`: those kept first removed."""
     import functools
+    import shutil
+
+    from evictlab.store import outputs_dir
 
     results = R.read_tables(folder / "snapshot")["results"]
     sample = sample_runs(results, experiment)  # drawn here, once: every pass re-runs the same runs
     transforms = [_unchanged, *(functools.partial(perturbed, seed=s) for s in range(seeds))]
-    one = functools.partial(_noise_pass, folder, experiment, streams=streams, outputs=outputs, sample=sample)
+    if fresh:
+        shutil.rmtree(outputs_dir(outputs) / RESUME_DIR / folder.name, ignore_errors=True)
+    kw = {"streams": streams, "outputs": outputs, "sample": sample, "resume": resume}
+    one = functools.partial(_noise_pass, folder, experiment, **kw)
     if jobs > 1:
         from joblib import Parallel, delayed
 
@@ -302,10 +312,33 @@ def decision_noise(
     return noise_table(frames[0], frames[1:])
 
 
-def _noise_pass(folder, experiment, transform, streams=None, outputs=None, sample=None) -> pd.DataFrame:
-    """One pass of `decision_noise`: the sample's value-deciding runs under `transform`."""
+def _noise_pass(folder, experiment, transform, streams=None, outputs=None, sample=None, resume=False):
+    """One pass of `decision_noise` -> the sample's value-deciding runs under `transform` (per stream)."""
     kw = {"outputs": outputs, "transform": transform, "deciding_only": True, "sample": sample}
-    return rerun(folder, experiment, streams, **kw)[0]
+    return rerun(folder, experiment, streams, **kw, kept=transform_label(transform) if resume else None)[0]
+
+
+RESUME_DIR = "cache/noise"  # under paths.outputs: a resumable noise pass's finished runs
+
+
+def transform_label(transform) -> str:
+    """A pass's name in its kept results: the transform's function and its arguments ("perturbed(seed=1)")."""
+    import functools
+
+    if isinstance(transform, functools.partial):
+        args = ", ".join(f"{k}={v!r}" for k, v in sorted(transform.keywords.items()))
+        return f"{transform.func.__name__}({args})"
+    return transform.__name__
+
+
+def kept_path(cfg, folder: Path, s: Sampled, streams: int | None, label: str) -> Path:
+    """Where a resumable pass keeps one run's per-stream results: named by what they depend on (the
+    snapshot folder, the run and its overrides, the streams re-run, the pass). The code is not in the name:
+    after a change to the engine, delete outputs/cache/noise/ (or run `paper noise --fresh`)."""
+    from evictlab.store import stable_hash
+
+    key = stable_hash([folder.name, s.run_key, list(s.overrides), streams, label])
+    return Path(cfg.paths.outputs) / RESUME_DIR / folder.name / f"{key}.parquet"
 
 
 def compare(snapshot: pd.DataFrame, now: pd.DataFrame, noise: pd.DataFrame | None = None) -> pd.DataFrame:
@@ -398,6 +431,7 @@ def rerun(
     deciding_only: bool = False,
     strategies: list[str] | None = None,
     sample: list[Sampled] | None = None,
+    kept: str | None = None,
 ):
     """Re-run the sample of one experiment folder's snapshot of `experiment` (its figures.yaml names it)
     -> (per-stream means now: run_key, run, stream and the compared metrics; notes). Trained subjects load
@@ -406,7 +440,8 @@ def rerun(
     references (never the shared ones, which are the unchanged model's); `deciding_only`: only the runs
     of policies that decide by values (`decides`); `strategies`: only the sampled runs of these policies
     (a snapshot re-checked a slice at a time); `sample`: these runs instead of `sample_runs`' (drawn once
-    by a caller that re-runs them several times)."""
+    by a caller that re-runs them several times); `kept`: a pass's name (`transform_label`): each run's
+    result is written under `kept_path` when measured, and read from there instead where it exists."""
     from evictlab.config import compose, key_dict, to_objects
     from evictlab.run import RunStages, run_key
     from evictlab.store import stable_hash
@@ -416,10 +451,7 @@ def rerun(
     if results.empty:
         raise ValueError(f"{folder / 'snapshot'} has no results to verify")
     frames, notes = [], []
-    unknown = sorted(set(strategies or []) - set(results["strategy"]))
-    if unknown:
-        known = sorted(set(results["strategy"]))
-        raise ValueError(f"--strategies {unknown}: not among the snapshot's policies {known}")
+    _check_strategies(strategies, results)
     subjects: dict[tuple, Subject] = {}  # the sampled runs mostly share one model and one set of streams
     for s in sample_runs(results, experiment, every) if sample is None else sample:
         strategy = results.loc[results["run_key"] == s.run_key, "strategy"].iloc[0]
@@ -430,6 +462,10 @@ def rerun(
         notes += [
             f"{s.label}: config differs from the snapshot's: {d}" for d in config_differences(cfg, s.recorded)
         ]
+        path = kept_path(cfg, folder, s, streams, kept) if kept else None
+        if path is not None and path.exists():  # measured by an earlier call of this pass
+            frames.append(_read_kept(path, s.label))
+            continue
         stages = RunStages(cfg, run_key(cfg), Path("."))
         settings = [key_dict(x) for x in (cfg.model, cfg.dataset, cfg.tokenizer, cfg.train, cfg.eval)]
         key = (stable_hash(settings), cfg.seed)
@@ -441,9 +477,31 @@ def rerun(
             notes.append(f"{s.label}: the checkpoint's weights are not the snapshot's (sha256 {was[:12]}...)")
         shared = stages.shared_references(subject.checkpoint) if transform is None else None
         means = measure(cfg, subject, shared, tables.get("tasks"), s.run_key)
-        frames.append(means.assign(run_key=s.run_key, run=s.label))
+        frames.append(_keep(path, means.assign(run_key=s.run_key, run=s.label)))
         print(f"{s.label}: {len(subject.tokens)} stream(s) re-run", flush=True)
     return (pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()), notes
+
+
+def _check_strategies(strategies: list[str] | None, results: pd.DataFrame) -> None:
+    unknown = sorted(set(strategies or []) - set(results["strategy"]))
+    if unknown:
+        known = sorted(set(results["strategy"]))
+        raise ValueError(f"--strategies {unknown}: not among the snapshot's policies {known}")
+
+
+def _read_kept(path: Path, label: str) -> pd.DataFrame:
+    print(f"{label}: kept from an earlier call ({path})", flush=True)
+    return pd.read_parquet(path)
+
+
+def _keep(path: Path | None, frame: pd.DataFrame) -> pd.DataFrame:
+    """frame, written to `path` first where one is given (a resumable pass's finished run)."""
+    from evictlab.store import write_atomic
+
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_atomic(path, lambda p: frame.to_parquet(p, index=False))
+    return frame
 
 
 PROVENANCE = ("info.git_commit", "streams_sha256", "weights_sha256")  # every run of a snapshot records these
