@@ -17,6 +17,7 @@ from evictlab.errors import ConfigError
 from evictlab.eval import StreamSpec
 from evictlab.eval.engine import DecodeClock, generate
 from evictlab.eval.evaluate import task_accuracy, task_decode_len
+from evictlab.eval.shared import SharedReferences
 from tests.conftest import make_cfg
 
 
@@ -352,12 +353,27 @@ def test_verify_re_runs_a_task_snapshot_answer_by_answer(session_outputs, tmp_pa
     assert {"nll", "kl", "agree", "answer_nll"} <= set(noise["metric"]) and (noise["noise"] >= 0).all()
     both = V.decision_noise(folder, "unused", seeds=1, streams=1, outputs=session_outputs, jobs=2)
     pd.testing.assert_frame_equal(noise, both)
+    # a perturbed pass computes its model's full-cache log-probs once per batch for all its runs (a store of
+    # its own, which the pass removes when it is done; entries with attention, the oracle's, are not kept)
+    computed, reference = [], SharedReferences.reference
+
+    def counted(self, model, batch, spec, attention, compute):
+        return reference(self, model, batch, spec, attention, lambda: computed.append(attention) or compute())
+
+    monkeypatch.setattr(SharedReferences, "reference", counted)
+    refs, moved = tmp_path / "pass_references", functools.partial(V.perturbed, seed=0)
+    two, _ = V.rerun(
+        folder, "unused", streams=1, outputs=session_outputs, transform=moved, pass_references=refs
+    )
+    assert two["run"].nunique() == 2 and computed == [False] and any(refs.rglob("*.safetensors"))
+    monkeypatch.setattr(SharedReferences, "reference", reference)
     # resumable: each (pass, run) kept as it is measured; a later call reads them back and measures nothing
     # (a call stopped by a crash or a session's end goes on from its finished runs); --fresh drops them
     resumable = {"seeds": 1, "streams": 1, "outputs": session_outputs, "resume": True}
     pd.testing.assert_frame_equal(noise, V.decision_noise(folder, "unused", **resumable, fresh=True))
     kept = sorted((session_outputs / V.RESUME_DIR / folder.name).glob("*.parquet"))
     assert len(kept) == 2  # the plain pass and perturbed(seed=0), one run each
+    assert not any((session_outputs / V.RESUME_DIR / folder.name).glob("references-*"))  # (removed)
 
     def measured(*args, **kwargs):
         raise RuntimeError("measured again")

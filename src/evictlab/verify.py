@@ -271,10 +271,6 @@ def noise_table(plain: pd.DataFrame, moved: list[pd.DataFrame]) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-def _unchanged(model):
-    return model
-
-
 def decision_noise(
     folder: Path,
     experiment: str,
@@ -298,7 +294,10 @@ def decision_noise(
 
     results = R.read_tables(folder / "snapshot")["results"]
     sample = sample_runs(results, experiment)  # drawn here, once: every pass re-runs the same runs
-    transforms = [_unchanged, *(functools.partial(perturbed, seed=s) for s in range(seeds))]
+    transforms = [
+        None,
+        *(functools.partial(perturbed, seed=s) for s in range(seeds)),
+    ]  # (None: the plain pass)
     if fresh:
         shutil.rmtree(outputs_dir(outputs) / RESUME_DIR / folder.name, ignore_errors=True)
     kw = {"streams": streams, "outputs": outputs, "sample": sample, "resume": resume}
@@ -313,18 +312,33 @@ def decision_noise(
 
 
 def _noise_pass(folder, experiment, transform, streams=None, outputs=None, sample=None, resume=False):
-    """One pass of `decision_noise` -> the sample's value-deciding runs under `transform` (per stream)."""
+    """One pass of `decision_noise` -> the sample's value-deciding runs under `transform` (per stream). The
+    plain pass (transform None) reads the full-cache references of the shared store, as `verify` does; a
+    perturbed pass computes its model's own, each batch's once for all its runs (a temporary store
+    of log-probs, removed when the pass is done)."""
+    import shutil
+
+    from evictlab.store import outputs_dir, stable_hash
+
+    label = transform_label(transform)
+    refs = outputs_dir(outputs) / RESUME_DIR / folder.name / f"references-{stable_hash(label)}"
     kw = {"outputs": outputs, "transform": transform, "deciding_only": True, "sample": sample}
-    return rerun(folder, experiment, streams, **kw, kept=transform_label(transform) if resume else None)[0]
+    kw |= {"kept": label if resume else None, "pass_references": refs if transform is not None else None}
+    frame = rerun(folder, experiment, streams, **kw)[0]
+    shutil.rmtree(refs, ignore_errors=True)
+    return frame
 
 
 RESUME_DIR = "cache/noise"  # under paths.outputs: a resumable noise pass's finished runs
 
 
 def transform_label(transform) -> str:
-    """A pass's name in its kept results: the transform's function and its arguments ("perturbed(seed=1)")."""
+    """A pass's name in its kept results: the transform's function and its arguments ("perturbed(seed=1)");
+    "plain" for none."""
     import functools
 
+    if transform is None:
+        return "plain"
     if isinstance(transform, functools.partial):
         args = ", ".join(f"{k}={v!r}" for k, v in sorted(transform.keywords.items()))
         return f"{transform.func.__name__}({args})"
@@ -432,6 +446,7 @@ def rerun(
     strategies: list[str] | None = None,
     sample: list[Sampled] | None = None,
     kept: str | None = None,
+    pass_references: Path | None = None,
 ):
     """Re-run the sample of one experiment folder's snapshot of `experiment` (its figures.yaml names it)
     -> (per-stream means now: run_key, run, stream and the compared metrics; notes). Trained subjects load
@@ -441,10 +456,10 @@ def rerun(
     of policies that decide by values (`decides`); `strategies`: only the sampled runs of these policies
     (a snapshot re-checked a slice at a time); `sample`: these runs instead of `sample_runs`' (drawn once
     by a caller that re-runs them several times); `kept`: a pass's name (`transform_label`): each run's
-    result is written under `kept_path` when measured, and read from there instead where it exists."""
-    from evictlab.config import compose, key_dict, to_objects
+    result is written under `kept_path` when measured, and read from there instead where it exists;
+    `pass_references`: with a transform, where its runs share their full-cache log-probs (`_references`)."""
+    from evictlab.config import compose, to_objects
     from evictlab.run import RunStages, run_key
-    from evictlab.store import stable_hash
 
     tables = R.read_tables(folder / "snapshot")
     results = tables["results"]
@@ -467,19 +482,41 @@ def rerun(
             frames.append(_read_kept(path, s.label))
             continue
         stages = RunStages(cfg, run_key(cfg), Path("."))
-        settings = [key_dict(x) for x in (cfg.model, cfg.dataset, cfg.tokenizer, cfg.train, cfg.eval)]
-        key = (stable_hash(settings), cfg.seed)
-        if key not in subjects:
-            subjects[key] = load_subject(stages, streams, transform)
-        subject = subjects[key]
+        subject = _subject(subjects, cfg, stages, streams, transform)
         was = s.recorded_weights
         if was and was != subject.checkpoint.meta.get("weights_sha256"):
             notes.append(f"{s.label}: the checkpoint's weights are not the snapshot's (sha256 {was[:12]}...)")
-        shared = stages.shared_references(subject.checkpoint) if transform is None else None
+        shared = _references(stages, subject, transform, pass_references)
         means = measure(cfg, subject, shared, tables.get("tasks"), s.run_key)
         frames.append(_keep(path, means.assign(run_key=s.run_key, run=s.label)))
         print(f"{s.label}: {len(subject.tokens)} stream(s) re-run", flush=True)
     return (pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()), notes
+
+
+def _subject(subjects: dict, cfg, stages, streams: int | None, transform) -> Subject:
+    """The run's `Subject`, loaded once for every sampled run of the same settings (mostly all of them)."""
+    from evictlab.config import key_dict
+    from evictlab.store import stable_hash
+
+    settings = [key_dict(x) for x in (cfg.model, cfg.dataset, cfg.tokenizer, cfg.train, cfg.eval)]
+    key = (stable_hash(settings), cfg.seed)
+    if key not in subjects:
+        subjects[key] = load_subject(stages, streams, transform)
+    return subjects[key]
+
+
+def _references(stages, subject: Subject, transform, pass_references: Path | None):
+    """A re-run's full-cache references: the shared store's for the model as trained; for a changed one
+    none (each run computes its own) or, with `pass_references`, a scratch store of its log-probs there
+    (each batch's computed once for all the runs of a pass)."""
+    from evictlab.eval.shared import SharedReferences
+
+    if transform is None:
+        return stages.shared_references(subject.checkpoint)
+    if pass_references is None:
+        return None
+    ck = subject.checkpoint
+    return SharedReferences(pass_references, f"{ck.path.name}:{ck.meta.get('weights_sha256', '')}", False)
 
 
 def _check_strategies(strategies: list[str] | None, results: pd.DataFrame) -> None:

@@ -42,8 +42,9 @@ MAX_BYTES = 8 << 30  # larger entries are computed by each run, not stored (log-
 class SharedReferences:
     """Full-cache log-probs by (checkpoint, tokens, settings), computed once and read by every later run."""
 
-    def __init__(self, root: str | Path, checkpoint: str):
+    def __init__(self, root: str | Path, checkpoint: str, keep_attention: bool = True):
         self.root, self.checkpoint = Path(root), checkpoint
+        self.keep_attention = keep_attention  # False: entries with attention are computed, never kept
         self.computed = self.read = 0  # batches this process computed / read from the store
 
     def key(self, model: GPT, batch: torch.Tensor, spec: StreamSpec, attention: bool) -> str:
@@ -82,7 +83,10 @@ class SharedReferences:
         compute: Callable[[], FullReference],
     ) -> FullReference:
         """The full-cache run of batch [B, n + 1] (already cut to the reference's cap): log-probs [B, n, V]
-        and, with `attention`, its FullAttention, read from the store, or `compute()`d and stored."""
+        and, with `attention`, its FullAttention, read from the store, or `compute()`d and stored (not with
+        `attention` where the store keeps none: a scratch store of log-probs, as a noise pass uses)."""
+        if attention and not self.keep_attention:
+            return compute()
         path = self.path(model, batch, spec, attention)
         path.parent.mkdir(parents=True, exist_ok=True)
         L, n = model.cfg.n_layer, batch.shape[1] - 1
