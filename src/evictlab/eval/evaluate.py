@@ -55,7 +55,9 @@ class KeptReference:
     """What a run keeps of one batch's full-cache reference once the batch is streamed: the full cache's
     NLL of each true next token and its attention summaries, not its log-probs over the vocabulary (for
     SmolLM2, 2 streams x 12,288 predictions x 49,152 = 4.8 GB per batch: a run of two batches held both
-    until it ended, 11.8 GB of RSS)."""
+    until it ended, 11.8 GB of RSS), nor the queries and keys the oracle's reference holds (every layer's,
+    and the oracle's rows: by their shapes about 1.3 GB per batch of 5 x 2,047 tokens; smollm2_tasks'
+    oracle run of 10 batches, which kept them all, reached 22.8 GiB of RSS)."""
 
     streams: int  # rows of the batch
     nll: np.ndarray  # [B, m] float32, m = the predictions the reference covers
@@ -66,7 +68,7 @@ class KeptReference:
         B, m = ref.logp.shape[:2]
         tgt = batch[:, 1 : m + 1, None].to(ref.logp.device)
         nll = (-ref.logp.gather(-1, tgt)[..., 0]).float().cpu().numpy()
-        return KeptReference(B, nll, ref.attention)
+        return KeptReference(B, nll, None if ref.attention is None else ref.attention.summaries())
 
 
 @dataclass
