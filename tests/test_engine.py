@@ -341,6 +341,15 @@ def test_shared_reference_is_computed_once_and_read_by_later_runs(model, tokens,
     other = SharedReferences(tmp_path, "ck-2")  # another checkpoint: its own entry
     evaluate(model, tokens, make_policy("window"), 8, spec, other)
     assert third.computed == 2 and other.computed == 1 and len(list(tmp_path.glob("*.safetensors"))) == 3
+    # a store that keeps no attention (a noise pass's): the oracle's reference is computed, never written
+    scratch = SharedReferences(tmp_path / "scratch", "ck-1", keep_attention=False)
+    oracle = evaluate(model, tokens, make_policy("oracle"), 8, StreamSpec(), scratch)
+    evaluate(model, tokens, make_policy("window"), 8, spec, scratch)
+    assert len(list((tmp_path / "scratch").glob("*.safetensors"))) == 1  # the log-probs only
+    with_store = evaluate(
+        model, tokens, make_policy("oracle"), 8, StreamSpec(), SharedReferences(tmp_path, "x")
+    )
+    np.testing.assert_array_equal(oracle.per_token["nll"], with_store.per_token["nll"])
 
 
 def test_a_run_first_streams_the_batches_whose_reference_no_other_process_is_computing(

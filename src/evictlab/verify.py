@@ -315,7 +315,7 @@ def _noise_pass(folder, experiment, transform, streams=None, outputs=None, sampl
     """One pass of `decision_noise` -> the sample's value-deciding runs under `transform` (per stream). The
     plain pass (transform None) reads the full-cache references of the shared store, as `verify` does; a
     perturbed pass computes its model's own, each batch's once for all its runs (a temporary store
-    of log-probs, removed when the pass is done)."""
+    of log-probs, removed when the pass is done). Neither keeps entries with attention (`_references`)."""
     import shutil
 
     from evictlab.store import outputs_dir, stable_hash
@@ -323,7 +323,7 @@ def _noise_pass(folder, experiment, transform, streams=None, outputs=None, sampl
     label = transform_label(transform)
     refs = outputs_dir(outputs) / RESUME_DIR / folder.name / f"references-{stable_hash(label)}"
     kw = {"outputs": outputs, "transform": transform, "deciding_only": True, "sample": sample}
-    kw |= {"kept": label if resume else None, "pass_references": refs if transform is not None else None}
+    kw |= {"kept": label if resume else None, "pass_references": refs}  # (the plain pass: not used)
     frame = rerun(folder, experiment, streams, **kw)[0]
     shutil.rmtree(refs, ignore_errors=True)
     return frame
@@ -508,11 +508,16 @@ def _subject(subjects: dict, cfg, stages, streams: int | None, transform) -> Sub
 def _references(stages, subject: Subject, transform, pass_references: Path | None):
     """A re-run's full-cache references: the shared store's for the model as trained; for a changed one
     none (each run computes its own) or, with `pass_references`, a scratch store of its log-probs there
-    (each batch's computed once for all the runs of a pass)."""
+    (each batch's computed once for all the runs of a pass). With `pass_references` (a noise pass) no
+    entry with attention is kept, in the shared store either: one run of a pass reads it (the oracle), and
+    smollm2_tasks' would put 10 x 3 GB on the disk beside the passes' scratch stores."""
     from evictlab.eval.shared import SharedReferences
 
     if transform is None:
-        return stages.shared_references(subject.checkpoint)
+        shared = stages.shared_references(subject.checkpoint)
+        if shared is not None and pass_references is not None:
+            shared.keep_attention = False
+        return shared
     if pass_references is None:
         return None
     ck = subject.checkpoint
