@@ -209,6 +209,13 @@ def _all_steps(tables: dict[str, pd.DataFrame]) -> dict[str, pd.DataFrame]:
     return {k: t[~t["run_key"].isin(sampled)] if "run_key" in t else t for k, t in tables.items()}
 
 
+def reference_capped(results: pd.DataFrame) -> bool:
+    """Whether some run's full-cache reference covers fewer predictions than its streams hold
+    (eval.full_max_len below stream_len - 1: smollm2_long, long_stream)."""
+    cap = results.get("cfg.eval.full_max_len")
+    return cap is not None and bool((results["stream_len"] - 1 > cap).any())
+
+
 def _training_lines(tables: dict[str, pd.DataFrame], wanted: dict, mode: str) -> list[str]:
     """Per training where a snapshot has several (and each `against` row set against the others, per
     budget); on a one-model snapshot, each `against` row against the others, budgets as columns."""
@@ -228,8 +235,7 @@ def _training_lines(tables: dict[str, pd.DataFrame], wanted: dict, mode: str) ->
                 out += ["", f"{against} against each other policy, budget {int(budget)} ({what}):"]
                 out.append(markdown(training_table(tables, mode, int(budget), against)))
         return out
-    whole = _all_steps(tables)["streams"]
-    if "nll_paired" in whole and (whole["nll_paired"].fillna(whole["nll"]) != whole["nll"]).any():
+    if reference_capped(tables["results"]):
         # a capped reference (its span shorter than the streams): a sampled run pairs with the others only
         # on that span, not on the whole streams this table compares (the band tables pair it by band)
         tables = _all_steps(tables)
