@@ -436,3 +436,13 @@ def test_a_one_model_snapshot_prints_its_against_rows_paired_per_stream():
     # where the reference is capped (smollm2_long: 12,288 of 32,768 predictions) a sampled run is left out
     assert not paper.reference_capped(quality["results"])
     assert paper.reference_capped(paper.load_snapshot(paper.EXPERIMENTS / "smollm2_long")["results"])
+
+
+def test_the_band_table_says_what_a_sampled_runs_plain_columns_cover():
+    """smollm2_long's re-computed window scored 128 sampled predictions per stream: its plain perplexity and
+    band NLLs sit beside the others' means over every prediction, so the table says so (a snapshot without
+    sampled runs gets no such line)."""
+    text = paper.snapshot_tables(paper.EXPERIMENTS / "smollm2_long")
+    band = text[text.index("mean NLL [nats] by position band") : text.index("paired cost by position band")]
+    assert "over its 128 sampled predictions per stream" in band
+    assert paper._sampled_note(paper.load_snapshot(paper.EXPERIMENTS / "smollm2_recall")["results"]) == []

@@ -209,6 +209,20 @@ def _all_steps(tables: dict[str, pd.DataFrame]) -> dict[str, pd.DataFrame]:
     return {k: t[~t["run_key"].isin(sampled)] if "run_key" in t else t for k, t in tables.items()}
 
 
+def _sampled_note(results: pd.DataFrame | None) -> list[str]:
+    """Under the band table, where a snapshot has sampled runs: what their plain columns cover."""
+    from evictlab.analysis import stats as S
+
+    if not (keys := S.sampled_runs(results)):
+        return []
+    per = sorted({int(v) for v in results.loc[results["run_key"].isin(keys), "cfg.eval.recompute_sample"]})
+    return [
+        f"(a sampled run's perplexity and band NLLs are over its {' or '.join(f'{n:,}' for n in per)}"
+        " sampled predictions per stream, not every prediction of the band: only its paired costs below,"
+        " each on its own predictions against the full cache's, compare with the other rows)"
+    ]
+
+
 def reference_capped(results: pd.DataFrame) -> bool:
     """Whether some run's full-cache reference covers fewer predictions than its streams hold
     (eval.full_max_len below stream_len - 1: smollm2_long, long_stream)."""
@@ -313,6 +327,7 @@ def _tables_text(name: str, tables: dict[str, pd.DataFrame], wanted: dict) -> st
     if bands := wanted.get("bands"):
         out += ["", "perplexity over the stream, and mean NLL [nats] by position band:"]
         out.append(markdown(band_table(tables, bands)))
+        out += _sampled_note(tables["results"])
         what = "exp(mean per-stream NLL difference) on the predictions both cover [95% CI; n streams]"
         out += ["", f"paired cost by position band, policy / full cache: {what}:"]
         out.append(markdown(band_cost_table(tables, bands)))
