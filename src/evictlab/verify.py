@@ -42,6 +42,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -481,7 +482,7 @@ def rerun(
         if path is not None and path.exists():  # measured by an earlier call of this pass
             frames.append(_read_kept(path, s.label))
             continue
-        stages = RunStages(cfg, run_key(cfg), Path("."))
+        stages, start = RunStages(cfg, run_key(cfg), Path(".")), time.perf_counter()
         subject = _subject(subjects, cfg, stages, streams, transform)
         was = s.recorded_weights
         if was and was != subject.checkpoint.meta.get("weights_sha256"):
@@ -489,7 +490,7 @@ def rerun(
         shared = _references(stages, subject, transform, pass_references)
         means = measure(cfg, subject, shared, tables.get("tasks"), s.run_key)
         frames.append(_keep(path, means.assign(run_key=s.run_key, run=s.label)))
-        print(f"{s.label}: {len(subject.tokens)} stream(s) re-run", flush=True)
+        _report(s.label, kept, len(subject.tokens), time.perf_counter() - start)
     return (pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()), notes
 
 
@@ -529,6 +530,14 @@ def _check_strategies(strategies: list[str] | None, results: pd.DataFrame) -> No
     if unknown:
         known = sorted(set(results["strategy"]))
         raise ValueError(f"--strategies {unknown}: not among the snapshot's policies {known}")
+
+
+def _report(label: str, kept: str | None, streams: int, seconds: float) -> None:
+    """One line per re-run run (with the pass it belongs to: `make noise --jobs 2` interleaves them)."""
+    from evictlab.eval.progress import duration
+
+    where = f" [{kept}]" if kept else ""
+    print(f"{label}{where}: {streams} stream(s) re-run in {duration(seconds)}", flush=True)
 
 
 def _read_kept(path: Path, label: str) -> pd.DataFrame:
