@@ -446,3 +446,24 @@ def test_the_band_table_says_what_a_sampled_runs_plain_columns_cover():
     band = text[text.index("mean NLL [nats] by position band") : text.index("paired cost by position band")]
     assert "over its 128 sampled predictions per stream" in band
     assert paper._sampled_note(paper.load_snapshot(paper.EXPERIMENTS / "smollm2_recall")["results"]) == []
+
+
+@pytest.mark.parametrize(
+    "folder", sorted(p.parent.name for p in paper.EXPERIMENTS.glob("*/decision_noise.csv"))
+)
+def test_a_committed_decision_noise_covers_its_snapshots_value_deciding_runs(folder):
+    """verify looks a run's measured noise up by run_key: a snapshot re-made without `make noise` again would
+    silently fall back to the floor (and fail on another CPU). Each committed decision_noise.csv names
+    exactly the value-deciding runs verify samples from its snapshot, over all their streams, 3 seeds."""
+    from evictlab import results as R
+    from evictlab import verify as V
+
+    where = paper.EXPERIMENTS / folder
+    results = R.read_tables(where / "snapshot")["results"]
+    strategy = results.drop_duplicates("run_key").set_index("run_key")["strategy"]
+    sample = V.sample_runs(results, paper.load_spec(where)["experiment"])
+    deciding = {s.run_key for s in sample if V.decides(strategy[s.run_key])}
+    noise = pd.read_csv(where / V.NOISE_FILE)
+    assert set(noise["run_key"]) == deciding
+    n = results.drop_duplicates("run_key").set_index("run_key")["n_streams"]
+    assert (noise["streams"] == noise["run_key"].map(n)).all() and set(noise["perturbations"]) == {3}
