@@ -295,10 +295,8 @@ def decision_noise(
 
     results = R.read_tables(folder / "snapshot")["results"]
     sample = sample_runs(results, experiment)  # drawn here, once: every pass re-runs the same runs
-    transforms = [
-        None,
-        *(functools.partial(perturbed, seed=s) for s in range(seeds)),
-    ]  # (None: the plain pass)
+    # the plain pass (None: the model as trained), then one per seed
+    transforms = [None, *(functools.partial(perturbed, seed=s) for s in range(seeds))]
     if fresh:
         shutil.rmtree(outputs_dir(outputs) / RESUME_DIR / folder.name, ignore_errors=True)
     kw = {"streams": streams, "outputs": outputs, "sample": sample, "resume": resume}
