@@ -173,6 +173,11 @@ def _write_table(path: Path, frame: pd.DataFrame) -> None:
     write_atomic(path, lambda p: frame.to_parquet(p, index=False))
 
 
+def reference_checkpoint(ck) -> str:
+    """The checkpoint as the reference and subject stores name it: its folder and weights hash."""
+    return f"{ck.path.name}:{ck.meta.get('weights_sha256', '')}"
+
+
 @dataclass
 class RunStages:
     """The stages of one run, in order: subject, streams, evaluation, its files, task metrics, tracking."""
@@ -190,7 +195,7 @@ class RunStages:
             tokens, answers, documents = self.streams(corpus, model)
         self.record(model, documents)
         policy, budget, spec = self.cfg.strategy.build(), self.cfg.resolved_budget, self.cfg.eval.spec()
-        checkpoint = f"{ck.path.name}:{ck.meta.get('weights_sha256', '')}"
+        checkpoint = reference_checkpoint(ck)
         shared = self.shared_references(ck)
         decoding = DecodeClock(fused=True)  # weight-free policies: the fused kernel's rate too
         writing = self.writing(tokens, answers, policy, decoding)
@@ -268,13 +273,13 @@ class RunStages:
         check_positions(model.cfg, cfg.eval.position_mode, cfg.eval.stream_len)  # the checkpoint's own model
         return corpus, ck, model
 
-    def shared_references(self, ck) -> SharedReferences | None:
+    def shared_references(self, ck, keep_attention: bool = True) -> SharedReferences | None:
         """The full cache's log-probs on this run's streams: computed by a sweep's first run, read by the rest
-        (None with eval.share_reference=false)."""
+        (None with eval.share_reference=false; `keep_attention`: `SharedReferences`')."""
         if not self.cfg.eval.share_reference:
             return None
-        checkpoint = f"{ck.path.name}:{ck.meta.get('weights_sha256', '')}"
-        return SharedReferences(self.cfg.outputs / "cache" / "references", checkpoint)
+        root = self.cfg.outputs / "cache" / "references"
+        return SharedReferences(root, reference_checkpoint(ck), keep_attention)
 
     def streams(
         self, corpus: Corpus, model: GPT

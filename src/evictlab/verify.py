@@ -291,14 +291,12 @@ def decision_noise(
     import functools
     import shutil
 
-    from evictlab.store import outputs_dir
-
     results = R.read_tables(folder / "snapshot")["results"]
     sample = sample_runs(results, experiment)  # drawn here, once: every pass re-runs the same runs
     # the plain pass (None: the model as trained), then one per seed
     transforms = [None, *(functools.partial(perturbed, seed=s) for s in range(seeds))]
     if fresh:
-        shutil.rmtree(outputs_dir(outputs) / RESUME_DIR / folder.name, ignore_errors=True)
+        shutil.rmtree(noise_dir(folder, outputs), ignore_errors=True)
     kw = {"streams": streams, "outputs": outputs, "sample": sample, "resume": resume}
     one = functools.partial(_noise_pass, folder, experiment, **kw)
     if jobs > 1:
@@ -317,10 +315,10 @@ def _noise_pass(folder, experiment, transform, streams=None, outputs=None, sampl
     of log-probs, removed when the pass is done). Neither keeps entries with attention (`_references`)."""
     import shutil
 
-    from evictlab.store import outputs_dir, stable_hash
+    from evictlab.store import stable_hash
 
     label = transform_label(transform)
-    refs = outputs_dir(outputs) / RESUME_DIR / folder.name / f"references-{stable_hash(label)}"
+    refs = noise_dir(folder, outputs) / f"references-{stable_hash(label)}"
     kw = {"outputs": outputs, "transform": transform, "deciding_only": True, "sample": sample}
     kw |= {"kept": label if resume else None, "pass_references": refs}  # (the plain pass: not used)
     frame = rerun(folder, experiment, streams, **kw)[0]
@@ -329,6 +327,14 @@ def _noise_pass(folder, experiment, transform, streams=None, outputs=None, sampl
 
 
 RESUME_DIR = "cache/noise"  # under paths.outputs: a resumable noise pass's finished runs
+
+
+def noise_dir(folder: Path, outputs: Path | None) -> Path:
+    """Where `decision_noise` keeps an experiment's finished (pass, run) results and its passes' scratch
+    references: outputs/cache/noise/<experiment folder>/."""
+    from evictlab.store import outputs_dir
+
+    return outputs_dir(outputs) / RESUME_DIR / folder.name
 
 
 def transform_label(transform) -> str:
@@ -344,14 +350,14 @@ def transform_label(transform) -> str:
     return transform.__name__
 
 
-def kept_path(cfg, folder: Path, s: Sampled, streams: int | None, label: str) -> Path:
+def kept_path(folder: Path, outputs: Path | None, s: Sampled, streams: int | None, label: str) -> Path:
     """Where a resumable pass keeps one run's per-stream results: named by what they depend on (the
     snapshot folder, the run and its overrides, the streams re-run, the pass). The code is not in the name:
     after a change to the engine, delete outputs/cache/noise/ (or run `paper noise --fresh`)."""
     from evictlab.store import stable_hash
 
     key = stable_hash([folder.name, s.run_key, list(s.overrides), streams, label])
-    return Path(cfg.paths.outputs) / RESUME_DIR / folder.name / f"{key}.parquet"
+    return noise_dir(folder, outputs) / f"{key}.parquet"
 
 
 def compare(snapshot: pd.DataFrame, now: pd.DataFrame, noise: pd.DataFrame | None = None) -> pd.DataFrame:
@@ -476,7 +482,7 @@ def rerun(
         notes += [
             f"{s.label}: config differs from the snapshot's: {d}" for d in config_differences(cfg, s.recorded)
         ]
-        path = kept_path(cfg, folder, s, streams, kept) if kept else None
+        path = kept_path(folder, outputs, s, streams, kept) if kept else None
         if path is not None and path.exists():  # measured by an earlier call of this pass
             frames.append(_read_kept(path, s.label))
             continue
@@ -511,16 +517,13 @@ def _references(stages, subject: Subject, transform, pass_references: Path | Non
     entry with attention is kept, in the shared store either: one run of a pass reads it (the oracle), and
     smollm2_tasks' would put 10 x 3 GB on the disk beside the passes' scratch stores."""
     from evictlab.eval.shared import SharedReferences
+    from evictlab.run import reference_checkpoint
 
     if transform is None:
-        shared = stages.shared_references(subject.checkpoint)
-        if shared is not None and pass_references is not None:
-            shared.keep_attention = False
-        return shared
+        return stages.shared_references(subject.checkpoint, keep_attention=pass_references is None)
     if pass_references is None:
         return None
-    ck = subject.checkpoint
-    return SharedReferences(pass_references, f"{ck.path.name}:{ck.meta.get('weights_sha256', '')}", False)
+    return SharedReferences(pass_references, reference_checkpoint(subject.checkpoint), keep_attention=False)
 
 
 def _check_strategies(strategies: list[str] | None, results: pd.DataFrame) -> None:

@@ -79,10 +79,8 @@ def policy_color(order: int):
         return _PALETTE[order]
     import colorsys
 
-    value = 0.45 if order >= SETTING_ORDER else 0.72
-    return colorsys.hsv_to_rgb(
-        (0.11 + 0.618034 * order) % 1.0, 0.8 if order >= SETTING_ORDER else 0.65, value
-    )
+    dark = order >= SETTING_ORDER
+    return colorsys.hsv_to_rgb((0.11 + 0.618034 * order) % 1.0, 0.8 if dark else 0.65, 0.45 if dark else 0.72)
 
 
 def _subplots(nrows: int = 1, ncols: int = 1, *, figsize, layout=None, **kw):
