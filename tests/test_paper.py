@@ -467,3 +467,25 @@ def test_a_committed_decision_noise_covers_its_snapshots_value_deciding_runs(fol
     assert set(noise["run_key"]) == deciding
     n = results.drop_duplicates("run_key").set_index("run_key")["n_streams"]
     assert (noise["streams"] == noise["run_key"].map(n)).all() and set(noise["perturbations"]) == {3}
+
+
+@pytest.mark.parametrize("folder", sorted(p.parent.name for p in paper.EXPERIMENTS.glob("*/noise_runs")))
+def test_committed_noise_runs_recompute_their_decision_noise(folder):
+    """A noise measurement made over sessions keeps each (pass, run) in experiments/<name>/noise_runs/: where
+    they are committed, they hold every pass of every value-deciding run over all its streams, and the
+    committed decision_noise.csv is what `noise_table` makes of them (to the CSV's 6 digits)."""
+    from evictlab import verify as V
+
+    where = paper.EXPERIMENTS / folder
+    noise = pd.read_csv(where / V.NOISE_FILE)
+    runs = [pd.read_parquet(p) for p in sorted((where / V.NOISE_RUNS).glob("*.parquet"))]
+    frame = pd.concat(runs, ignore_index=True)
+    passes = {"plain", *(f"perturbed(seed={s})" for s in range(3))}
+    assert set(frame["noise_pass"]) == passes and set(frame["run_key"]) == set(noise["run_key"])
+    assert len(runs) == len(passes) * frame["run_key"].nunique() and frame["machine"].notna().all()
+    by_pass = {k: g.drop(columns="noise_pass") for k, g in frame.groupby("noise_pass")}
+    moved = [by_pass[f"perturbed(seed={s})"] for s in range(3)]
+    again = V.noise_table(by_pass["plain"], moved).set_index(["run_key", "metric"])["noise"]
+    got = noise.set_index(["run_key", "metric"])["noise"]
+    assert set(again.index) == set(got.index)
+    np.testing.assert_allclose(again[got.index].to_numpy(), got.to_numpy(), rtol=1e-5, atol=1e-12)

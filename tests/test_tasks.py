@@ -373,6 +373,13 @@ def test_verify_re_runs_a_task_snapshot_answer_by_answer(session_outputs, tmp_pa
     pd.testing.assert_frame_equal(noise, V.decision_noise(folder, "unused", **resumable, fresh=True))
     kept = sorted((session_outputs / V.RESUME_DIR / folder.name).glob("*.parquet"))
     assert len(kept) == 2  # the plain pass and perturbed(seed=0), one run each
+    first = pd.read_parquet(kept[0])  # with its pass, the machine that measured it and the commit
+    assert first["noise_pass"].iloc[0] in {"plain", "perturbed(seed=0)"} and first["machine"].notna().all()
+    assert {"git_commit", "run_key", "nll"} <= set(first) and len(V.pass_machines([first, first])) == 1
+    # over all the streams the runs are kept in the experiment folder (committed beside the CSV), by name
+    assert V.kept_path(folder, session_outputs, sampled[1], None, "perturbed(seed=1)") == (
+        folder / V.NOISE_RUNS / "perturbed-seed-1--h2o-b32-original.parquet"
+    )
     assert not any((session_outputs / V.RESUME_DIR / folder.name).glob("references-*"))  # (removed)
 
     def measured(*args, **kwargs):
@@ -380,6 +387,9 @@ def test_verify_re_runs_a_task_snapshot_answer_by_answer(session_outputs, tmp_pa
 
     monkeypatch.setattr(V, "measure", measured)
     pd.testing.assert_frame_equal(noise, V.decision_noise(folder, "unused", **resumable))
+    first.assign(run_key="another").to_parquet(kept[0])  # a kept file of another run: measured again
+    with pytest.raises(RuntimeError, match="measured again"):
+        V.decision_noise(folder, "unused", **resumable)
     kept[0].unlink()  # one pass stopped before its run was kept: only that run is measured
     with pytest.raises(RuntimeError, match="measured again"):
         V.decision_noise(folder, "unused", **resumable)

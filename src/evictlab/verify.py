@@ -286,8 +286,9 @@ def decision_noise(
     `noise_table` (written to the folder's NOISE_FILE by `paper noise`). The 1 + `seeds` passes are
     independent: `jobs` > 1 runs them in that many worker processes (each at the runs' own eval.threads,
     so on a machine of N cores, N jobs of 1-thread runs take about 1/N of the time). `resume`: each
-    (pass, run) result is kept under outputs/cache/noise/ as it is measured and read back by a later call
-    (hours of passes survive a crash or a session's end; `RESUME_DIR`); `fresh`: those kept first removed."""
+    (pass, run) result is kept as it is measured (`kept_path`: over all streams in the experiment folder, to
+    be committed) and read back by a later call (hours of passes survive a crash or a session's end);
+    `fresh`: those kept first removed."""
     import functools
     import shutil
 
@@ -295,8 +296,9 @@ def decision_noise(
     sample = sample_runs(results, experiment)  # drawn here, once: every pass re-runs the same runs
     # the plain pass (None: the model as trained), then one per seed
     transforms = [None, *(functools.partial(perturbed, seed=s) for s in range(seeds))]
-    if fresh:
-        shutil.rmtree(noise_dir(folder, outputs), ignore_errors=True)
+    if fresh:  # (over all streams, the committed runs too)
+        for d in [noise_dir(folder, outputs), *([folder / NOISE_RUNS] if streams is None else [])]:
+            shutil.rmtree(d, ignore_errors=True)
     kw = {"streams": streams, "outputs": outputs, "sample": sample, "resume": resume}
     one = functools.partial(_noise_pass, folder, experiment, **kw)
     if jobs > 1:
@@ -305,6 +307,12 @@ def decision_noise(
         frames = Parallel(n_jobs=jobs)(delayed(one)(t) for t in transforms)
     else:
         frames = [one(t) for t in transforms]
+    if len(machines := pass_machines(frames)) > 1:  # a measurement made over sessions on other machines
+        print(
+            f"{folder.name}: its passes ran on {len(machines)} machines, so the shifts include their own "
+            f"rounding: {'; '.join(machines)}",
+            flush=True,
+        )
     return noise_table(frames[0], frames[1:])
 
 
@@ -326,7 +334,8 @@ def _noise_pass(folder, experiment, transform, streams=None, outputs=None, sampl
     return frame
 
 
-RESUME_DIR = "cache/noise"  # under paths.outputs: a resumable noise pass's finished runs
+RESUME_DIR = "cache/noise"  # under paths.outputs: a resumable noise pass's finished runs (over --streams N)
+NOISE_RUNS = "noise_runs"  # experiments/<name>/: a full noise pass's finished runs, one file per (pass, run)
 
 
 def noise_dir(folder: Path, outputs: Path | None) -> Path:
@@ -351,13 +360,32 @@ def transform_label(transform) -> str:
 
 
 def kept_path(folder: Path, outputs: Path | None, s: Sampled, streams: int | None, label: str) -> Path:
-    """Where a resumable pass keeps one run's per-stream results: named by what they depend on (the
-    snapshot folder, the run and its overrides, the streams re-run, the pass). The code is not in the name:
-    after a change to the engine, delete outputs/cache/noise/ (or run `paper noise --fresh`)."""
+    """Where a resumable pass keeps one run's per-stream results. Over all the snapshot's streams (what
+    decision_noise.csv is made of): in the experiment folder, `NOISE_RUNS`/<pass>--<run>.parquet, committed
+    beside the CSV (a measurement of hours made over several sessions, and what the CSV is recomputed
+    from); `_read_kept` checks the run_key inside. Over `--streams N`: outputs/cache/noise/, named by what
+    they depend on (the snapshot folder, the run and its overrides, the streams, the pass). The code is in
+    neither name: after a change to the engine, run `paper noise --fresh`."""
     from evictlab.store import stable_hash
 
+    if streams is None:
+        return folder / NOISE_RUNS / f"{_slug(label)}--{_slug(s.label)}.parquet"
     key = stable_hash([folder.name, s.run_key, list(s.overrides), streams, label])
     return noise_dir(folder, outputs) / f"{key}.parquet"
+
+
+def _slug(text: str) -> str:
+    """ "perturbed(seed=1)" -> "perturbed-seed-1", "h2o b256 cache" -> "h2o-b256-cache"."""
+    import re
+
+    return re.sub(r"[^a-z0-9.]+", "-", text.lower()).strip("-")
+
+
+def pass_machines(frames: list[pd.DataFrame]) -> list[str]:
+    """The distinct machines (CPU, its kernels' capability, torch) the passes' runs were measured on, from
+    their kept results' `machine` column (runs measured before it was recorded: none)."""
+    names = [m for f in frames if "machine" in f for m in f["machine"].dropna()]
+    return sorted(set(names))
 
 
 def compare(snapshot: pd.DataFrame, now: pd.DataFrame, noise: pd.DataFrame | None = None) -> pd.DataFrame:
@@ -483,8 +511,8 @@ def rerun(
             f"{s.label}: config differs from the snapshot's: {d}" for d in config_differences(cfg, s.recorded)
         ]
         path = kept_path(folder, outputs, s, streams, kept) if kept else None
-        if path is not None and path.exists():  # measured by an earlier call of this pass
-            frames.append(_read_kept(path, s.label))
+        if path is not None and (was_kept := _read_kept(path, s)) is not None:  # an earlier call's
+            frames.append(was_kept)
             continue
         stages, start = RunStages(cfg, run_key(cfg), Path(".")), time.perf_counter()
         subject = _subject(subjects, cfg, stages, streams, transform)
@@ -493,7 +521,7 @@ def rerun(
             notes.append(f"{s.label}: the checkpoint's weights are not the snapshot's (sha256 {was[:12]}...)")
         shared = _references(stages, subject, transform, pass_references)
         means = measure(cfg, subject, shared, tables.get("tasks"), s.run_key)
-        frames.append(_keep(path, means.assign(run_key=s.run_key, run=s.label)))
+        frames.append(_keep(path, means.assign(run_key=s.run_key, run=s.label), kept))
         _report(s.label, kept, len(subject.tokens), time.perf_counter() - start)
     return (pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()), notes
 
@@ -541,18 +569,33 @@ def _report(label: str, kept: str | None, streams: int, seconds: float) -> None:
     print(f"{label}{where}: {streams} stream(s) re-run in {duration(seconds)}", flush=True)
 
 
-def _read_kept(path: Path, label: str) -> pd.DataFrame:
-    print(f"{label}: kept from an earlier call ({path})", flush=True)
-    return pd.read_parquet(path)
+def _read_kept(path: Path, s: Sampled) -> pd.DataFrame | None:
+    """A run an earlier call of the pass kept at `path`; None where there is none, or where it is another
+    run's (a committed file left from before the snapshot was re-made: measured again, overwritten)."""
+    if not path.exists():
+        return None
+    frame = pd.read_parquet(path)
+    if set(frame["run_key"]) != {s.run_key}:
+        print(f"{s.label}: {path} is of another run (the snapshot re-made?): measured again", flush=True)
+        return None
+    print(f"{s.label}: kept from an earlier call ({path})", flush=True)
+    return frame
 
 
-def _keep(path: Path | None, frame: pd.DataFrame) -> pd.DataFrame:
-    """frame, written to `path` first where one is given (a resumable pass's finished run)."""
-    from evictlab.store import write_atomic
+def _keep(path: Path | None, frame: pd.DataFrame, label: str | None) -> pd.DataFrame:
+    """frame, written to `path` first where one is given (a resumable pass's finished run), with the pass,
+    the machine that measured it (`pass_machines`) and the evictlab commit."""
+    from evictlab.perf import build_info, cpu_name
+    from evictlab.store import git_info, write_atomic
 
     if path is not None:
+        b = build_info()
+        machine = f"{cpu_name()} ({b['cpu_capability']}), torch {b['torch']}"
+        git = git_info()
+        kept = frame.assign(noise_pass=label, machine=machine, git_commit=git.get("commit"))
         path.parent.mkdir(parents=True, exist_ok=True)
-        write_atomic(path, lambda p: frame.to_parquet(p, index=False))
+        write_atomic(path, lambda p: kept.to_parquet(p, index=False))
+        return kept
     return frame
 
 
