@@ -218,10 +218,11 @@ def test_verify_lets_a_value_deciding_policy_move_by_a_flipped_decision_but_not_
     assert flipped["tova b64", "nll"] and flipped["tova b64", "kl"]
     assert not flipped["window b64", "nll"] and not flipped["window b64", "kl"]
     assert not V.compare(snapshot, now(1.01)).set_index(["run", "metric"])["ok"]["tova b64", "nll"]
-    # which decide by values: the scorers (random too: conservative), not the window, the sinks, the
+    # which decide by values: the scorers, not the window, the sinks, random (hashes of positions), the
     # window with re-computation (no cache: its windows are positions) or the full cache
-    assert [V.decides(n) for n in ("tova", "h2o", "l2norm", "random", "oracle")] == [True] * 5
-    assert not any(V.decides(n) for n in ("window", "streaming_llm", "recompute_window", "full", "nope"))
+    assert [V.decides(n) for n in ("tova", "h2o", "l2norm", "scissorhands", "oracle")] == [True] * 5
+    names = ("window", "streaming_llm", "random", "recompute_window", "full", "nope")
+    assert not any(V.decides(n) for n in names)
 
 
 def test_verify_notes_no_difference_between_a_recorded_value_and_its_enum():

@@ -540,3 +540,19 @@ def test_generation_after_a_blocked_prefill_equals_the_token_loop(setup, name, m
     fast = generate(model, prompt, policy_of(name), budget, 12, spec)
     loop = generate(model, prompt, policy_of(name), budget, 12, replace(spec, force_loop=True))
     assert torch.equal(fast, loop)
+
+
+@pytest.mark.parametrize("name", [c for c in CASES if policy_of(c).evicts and not policy_of(c).recompute])
+def test_a_policy_reads_values_exactly_when_other_weights_change_what_it_keeps(setup, name):
+    """`make noise` and verify's decision tolerance skip the policies whose evictions read no values (the
+    position-only ones, random's hashes of positions: `Policy.reads_values`), since rounding cannot reorder
+    them: under other weights they keep the very same entries; every policy that reads values keeps others."""
+    model, tokens, _ = setup
+    other = GPT(model.cfg).double().eval()  # (seeded: another draw of every weight)
+    torch.manual_seed(1)
+    other.load_state_dict({k: v + 0.5 * torch.randn_like(v) for k, v in model.state_dict().items()})
+    budget, policy = small_budget(name), policy_of(name)
+    a = run(setup, name, "original", budget, force_loop=True)
+    b = run((other, tokens, full_reference(other, tokens, attention=True)), name, "original", budget, True)
+    same = all(torch.equal(x, y) for x, y in zip(a.kept, b.kept, strict=True))
+    assert same == (policy.position_only or not policy.reads_values), (name, same)

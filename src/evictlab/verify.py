@@ -218,13 +218,14 @@ def snapshot_answers(streams: pd.DataFrame, *answers: pd.DataFrame | None) -> pd
 
 def decides(strategy: str) -> bool:
     """Whether a policy decides what to evict by values (scores that rounding can reorder), not by
-    positions alone (the window with re-computation keeps no cache: its windows are positions too)."""
+    positions alone (the window with re-computation keeps no cache: its windows are positions too) nor by
+    draws that read no values (random: `Policy.reads_values`)."""
     from evictlab.cache.policies import POLICIES
 
     if strategy not in POLICIES:
         return False
     p = POLICIES[strategy]
-    return p.evicts and not p.position_only and not p.recompute
+    return p.evicts and p.reads_values and not p.position_only and not p.recompute
 
 
 NOISE_FILE = "decision_noise.csv"  # experiments/<name>/: the decision noise measured on its sample

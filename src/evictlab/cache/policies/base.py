@@ -67,6 +67,9 @@ class Policy:
     # Decisions depend on positions only, so every document and head holds the same positions in the
     # same slots (lets the engine re-index positions once per layer instead of per document and head).
     position_only: ClassVar[bool] = False
+    # Decisions read no keys, values, queries or attention (random's are hashes of positions): rounding
+    # cannot reorder them, so verify holds them to the plain tolerance and `make noise` does not re-run them.
+    reads_values: ClassVar[bool] = True
 
     @classmethod
     def can_generate(cls) -> bool:

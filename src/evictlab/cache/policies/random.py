@@ -45,6 +45,7 @@ class Random(Policy):
 
     name: ClassVar[str] = "random"
     order: ClassVar[int] = 8
+    reads_values: ClassVar[bool] = False  # (hashes of positions: `verify.decides`)
     seed: int = 0
     n_sink: int = 0
 
