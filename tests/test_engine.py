@@ -695,3 +695,23 @@ def test_each_path_is_one_object_built_from_model_policy_plan_and_spec(model, to
     via = stream(model, tokens, make_policy(name), 8, spec, reference=ref, answers=answers)
     assert out.path == via.path == path and torch.equal(out.nll, via.nll) and torch.equal(out.kl, via.kl)
     assert torch.equal(out.occupancy, via.occupancy)
+
+
+def test_paper_verify_and_noise_log_progress_to_stderr_tagged_by_pass(capsys):
+    """`paper verify` / `paper noise` have no Hydra to configure logging: the runs' progress lines go to
+    stderr with the time and, in a noise pass, its name (two passes' lines interleave); one handler."""
+    import logging
+
+    from evictlab.eval.progress import log_to_stderr
+
+    out = logging.getLogger("evictlab")
+    handler = log_to_stderr("plain")
+    try:
+        logging.getLogger("evictlab.eval.progress").info("h2o b=6: 6/64 token-steps")
+        assert log_to_stderr("perturbed(seed=1)") is handler and out.handlers.count(handler) == 1
+        logging.getLogger("evictlab.eval.progress").info("tova b=6: 1/64 token-steps")
+        err = capsys.readouterr().err.splitlines()
+        assert err[0].endswith(" [plain] h2o b=6: 6/64 token-steps")
+        assert err[1].endswith(" [perturbed(seed=1)] tova b=6: 1/64 token-steps")
+    finally:
+        out.removeHandler(handler)

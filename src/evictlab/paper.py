@@ -408,7 +408,9 @@ def verify_main(args) -> int:
     """`verify`: re-run each named snapshot's sample (evictlab/verify.py), print the differences; 1 when
     any is beyond its tolerance."""
     from evictlab import verify as V
+    from evictlab.eval.progress import log_to_stderr
 
+    log_to_stderr()  # each re-run's progress every 5 minutes: a pass can take hours
     folders = named_folders(args)
     if folders is None:
         return 2

@@ -324,9 +324,11 @@ def _noise_pass(folder, experiment, transform, streams=None, outputs=None, sampl
     of log-probs, removed when the pass is done). Neither keeps entries with attention (`_references`)."""
     import shutil
 
+    from evictlab.eval.progress import log_to_stderr
     from evictlab.store import stable_hash
 
     label = transform_label(transform)
+    log_to_stderr(label)  # its runs' progress lines (in a worker process of --jobs: none configured there)
     refs = noise_dir(folder, outputs) / f"references-{stable_hash(label)}"
     kw = {"outputs": outputs, "transform": transform, "deciding_only": True, "sample": sample}
     kw |= {"kept": label if resume else None, "pass_references": refs}  # (the plain pass: not used)

@@ -11,6 +11,7 @@ most of an hour on 2 cores).
 from __future__ import annotations
 
 import logging
+import sys
 import time
 
 from tqdm.auto import tqdm
@@ -27,6 +28,24 @@ def duration(seconds: float) -> str:
     if seconds < 3600:
         return f"{seconds / 60:.1f} min"
     return f"{seconds / 3600:.1f} h"
+
+
+def log_to_stderr(tag: str | None = None) -> logging.Handler:
+    """evictlab's INFO lines (a run's progress every LOG_EVERY_S) on stderr with the time and `tag` (a noise
+    pass's name: `--jobs 2` interleaves two passes' lines), where no Hydra job configured logging: `paper
+    verify` and `paper noise`, whose passes run for hours, in the calling process and in each noise pass's
+    worker. One handler per process; a later call changes its tag."""
+    out = logging.getLogger("evictlab")
+    handler = next((h for h in out.handlers if getattr(h, "evictlab_progress", False)), None)
+    if handler is None:
+        handler = logging.StreamHandler()
+        handler.evictlab_progress = True  # type: ignore[attr-defined]
+        out.addHandler(handler)
+        out.setLevel(logging.INFO)
+    where = f"[{tag}] " if tag else ""
+    handler.setStream(sys.stderr)  # (the current one: pytest's capture replaces it)
+    handler.setFormatter(logging.Formatter(f"%(asctime)s {where}%(message)s", "%H:%M:%S"))
+    return handler
 
 
 class StreamProgress:
