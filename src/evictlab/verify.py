@@ -524,8 +524,9 @@ def rerun(
             notes.append(f"{s.label}: the checkpoint's weights are not the snapshot's (sha256 {was[:12]}...)")
         shared = _references(stages, subject, transform, pass_references)
         means = measure(cfg, subject, shared, tables.get("tasks"), s.run_key)
-        frames.append(_keep(path, means.assign(run_key=s.run_key, run=s.label), kept))
-        _report(s.label, kept, len(subject.tokens), time.perf_counter() - start)
+        seconds = time.perf_counter() - start
+        frames.append(_keep(path, means.assign(run_key=s.run_key, run=s.label, seconds=seconds), kept))
+        _report(s.label, kept, len(subject.tokens), seconds)
     return (pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()), notes
 
 
