@@ -285,11 +285,11 @@ def decision_noise(
 ) -> pd.DataFrame:
     """Re-run the sample's value-deciding runs plain and under `seeds` perturbations (`perturbed`) ->
     `noise_table` (written to the folder's NOISE_FILE by `paper noise`). The 1 + `seeds` passes are
-    independent: `jobs` > 1 runs them in that many worker processes (each at the runs' own eval.threads,
-    so on a machine of N cores, N jobs of 1-thread runs take about 1/N of the time). `resume`: each
-    (pass, run) result is kept as it is measured (`kept_path`: over all streams in the experiment folder, to
-    be committed) and read back by a later call (hours of passes survive a crash or a session's end);
-    `fresh`: those kept first removed."""
+    independent: `jobs` > 1 runs them in that many worker processes (joblib starts each with
+    OMP_NUM_THREADS = cores // jobs, which torch follows: a re-run does not apply eval.threads). `resume`:
+    each (pass, run) result is kept as it is measured (`kept_path`: over all streams in the experiment
+    folder, to be committed) and read back by a later call (hours of passes survive a crash or a session's
+    end); `fresh`: those kept first removed."""
     import functools
     import shutil
 
