@@ -449,6 +449,18 @@ def test_the_band_table_says_what_a_sampled_runs_plain_columns_cover():
     assert paper._sampled_note(paper.load_snapshot(paper.EXPERIMENTS / "smollm2_recall")["results"]) == []
 
 
+def _deciding_sample(where: Path):
+    """The value-deciding runs verify samples from an experiment folder's snapshot (what `make noise`
+    re-runs), and each snapshot run's number of streams (by run_key)."""
+    from evictlab import results as R
+    from evictlab import verify as V
+
+    results = R.read_tables(where / "snapshot")["results"]
+    runs = results.drop_duplicates("run_key").set_index("run_key")
+    sample = V.sample_runs(results, paper.load_spec(where)["experiment"])
+    return [s for s in sample if V.decides(runs.loc[s.run_key, "strategy"])], runs["n_streams"]
+
+
 @pytest.mark.parametrize(
     "folder", sorted(p.parent.name for p in paper.EXPERIMENTS.glob("*/decision_noise.csv"))
 )
@@ -456,17 +468,12 @@ def test_a_committed_decision_noise_covers_its_snapshots_value_deciding_runs(fol
     """verify looks a run's measured noise up by run_key: a snapshot re-made without `make noise` again would
     silently fall back to the floor (and fail on another CPU). Each committed decision_noise.csv names
     exactly the value-deciding runs verify samples from its snapshot, over all their streams, 3 seeds."""
-    from evictlab import results as R
     from evictlab import verify as V
 
     where = paper.EXPERIMENTS / folder
-    results = R.read_tables(where / "snapshot")["results"]
-    strategy = results.drop_duplicates("run_key").set_index("run_key")["strategy"]
-    sample = V.sample_runs(results, paper.load_spec(where)["experiment"])
-    deciding = {s.run_key for s in sample if V.decides(strategy[s.run_key])}
+    sample, n = _deciding_sample(where)
     noise = pd.read_csv(where / V.NOISE_FILE)
-    assert set(noise["run_key"]) == deciding
-    n = results.drop_duplicates("run_key").set_index("run_key")["n_streams"]
+    assert set(noise["run_key"]) == {s.run_key for s in sample}
     assert (noise["streams"] == noise["run_key"].map(n)).all() and set(noise["perturbations"]) == {3}
 
 
@@ -477,18 +484,10 @@ def test_committed_noise_runs_recompute_their_decision_noise(folder):
     its streams, named by both; once every pass of every such run is there, the committed
     decision_noise.csv is what `noise_table` makes of them (to the CSV's 6 digits). (Part of the passes: a
     measurement under way.)"""
-    from evictlab import results as R
     from evictlab import verify as V
 
     where = paper.EXPERIMENTS / folder
-    results = R.read_tables(where / "snapshot")["results"]
-    strategy = results.drop_duplicates("run_key").set_index("run_key")["strategy"]
-    n = results.drop_duplicates("run_key").set_index("run_key")["n_streams"]
-    sample = [
-        s
-        for s in V.sample_runs(results, paper.load_spec(where)["experiment"])
-        if V.decides(strategy[s.run_key])
-    ]
+    sample, n = _deciding_sample(where)
     passes = ["plain", *(f"perturbed(seed={s})" for s in range(3))]
     expected = {V.kept_path(where, None, s, None, p).name: (s, p) for s in sample for p in passes}
     runs = {p.name: pd.read_parquet(p) for p in sorted((where / V.NOISE_RUNS).glob("*.parquet"))}
